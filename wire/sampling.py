@@ -1,0 +1,195 @@
+"""Per-request sampling parameters, as they travel from the API process to the scheduler.
+
+`SamplingParams.from_json` is the only place a client's `sampling_params` object is checked;
+everything downstream trusts the values it holds. Defaults, range checks and their messages
+follow SGLang's `SamplingParams` (`verify`), so an SGLang client sees the same 400s here.
+
+Differences from SGLang, on purpose:
+- `max_new_tokens: null` ("until the context length" in SGLang) is rejected with a 400: our
+  field is a plain int. Every other null means "the default", as in SGLang.
+- `temperature` is kept as sent; greediness is the `is_greedy` property, not a rewrite of
+  temperature to 1.0. As in SGLang, a greedy temperature makes top_k irrelevant, so top_k is
+  then stored as 1 and not range-checked.
+- SGLang parameters we do not implement (regex, json_schema, ...) are a 400 unless null.
+- `stop` is always a list (a str becomes [str]); empty stop strings are rejected.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+SAMPLING_EPS = 1e-6          # temperature below this is greedy (SGLang's _SAMPLING_EPS)
+MAX_STOP_STRINGS = 32
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """One request's sampling parameters. Field order is part of the wire format."""
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                                  # -1: the whole vocabulary
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    sampling_seed: int | None = None
+    logit_bias: dict[str, float] | None = None      # token id (decimal str) -> added logit
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "SamplingParams":
+        """Build from a decoded JSON `sampling_params` object (or None for all defaults).
+        Raises ValueError with a client-facing message for anything invalid."""
+        if obj is None:
+            return cls()
+        if not isinstance(obj, dict):
+            raise ValueError(f"sampling_params must be an object, got {_json_type(obj)}.")
+        kwargs: dict[str, Any] = {}
+        for key, value in obj.items():
+            parse = _PARSERS.get(key)
+            if parse is None:
+                if key in _SGLANG_UNSUPPORTED:
+                    if value is None:
+                        continue
+                    raise ValueError(f"Sampling parameter '{key}' is not supported.")
+                raise ValueError(f"Unknown sampling parameter '{key}'.")
+            if value is None:
+                if key == "max_new_tokens":
+                    raise ValueError("sampling_params.max_new_tokens=null (until the context "
+                                     "length) is not supported; pass an integer.")
+                continue                              # null means the default, as in SGLang
+            kwargs[key] = parse(key, value)
+        params = cls(**kwargs)
+        params._verify()
+        return params
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """The checks that need the model's vocabulary size (SGLang's messages)."""
+        for token_id in self.logit_bias or {}:
+            if not 0 <= int(token_id) < vocab_size:
+                raise ValueError(f"logit_bias must has keys in [0, {vocab_size - 1}], got "
+                                 f"{token_id}.")
+
+    def _verify(self) -> None:
+        # Messages are SGLang's SamplingParams.verify, word for word, where it has one.
+        if not math.isfinite(self.temperature) or self.temperature < 0.0:
+            raise ValueError(f"temperature must be a non-negative finite number, got "
+                             f"{self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.temperature < SAMPLING_EPS:
+            self.top_k = 1                            # SGLang: greedy overrides top_k
+        elif self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got "
+                             f"{self.frequency_penalty}.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got "
+                             f"{self.presence_penalty}.")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got "
+                             f"{self.repetition_penalty}.")
+        if not 0 <= self.min_new_tokens:
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got "
+                             f"{self.min_new_tokens}.")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
+        if not self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens("
+                             f"{self.max_new_tokens})], got {self.min_new_tokens}.")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.sampling_seed is not None and not -(2**63) <= self.sampling_seed < 2**64:
+            raise ValueError(f"sampling_seed must fit in 64 bits, got {self.sampling_seed}.")
+        if self.logit_bias is not None:
+            for token_id, bias in self.logit_bias.items():
+                if not math.isfinite(bias):
+                    raise ValueError(f"logit_bias values must be finite, got {bias} for "
+                                     f"token {token_id}.")
+
+
+# ---- type checks at the JSON boundary ----------------------------------------------------
+
+def _json_type(value: Any) -> str:
+    return type(value).__name__
+
+
+def _int(key: str, v: Any) -> int:
+    if type(v) is not int:                            # bool is not an int here
+        raise ValueError(f"sampling_params.{key} must be an integer, got {_json_type(v)}.")
+    return v
+
+
+def _float(key: str, v: Any) -> float:
+    if type(v) is not int and type(v) is not float:
+        raise ValueError(f"sampling_params.{key} must be a number, got {_json_type(v)}.")
+    return float(v)
+
+
+def _bool(key: str, v: Any) -> bool:
+    if type(v) is not bool:
+        raise ValueError(f"sampling_params.{key} must be a boolean, got {_json_type(v)}.")
+    return v
+
+
+def _stop(key: str, v: Any) -> list[str]:
+    stops = [v] if type(v) is str else v
+    if type(stops) is not list or any(type(s) is not str for s in stops):
+        raise ValueError(f"sampling_params.{key} must be a string or a list of strings.")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"sampling_params.{key} may have at most {MAX_STOP_STRINGS} "
+                         f"entries, got {len(stops)}.")
+    if any(s == "" for s in stops):
+        raise ValueError(f"sampling_params.{key} must not contain an empty string.")
+    return list(stops)
+
+
+def _token_ids(key: str, v: Any) -> list[int]:
+    if type(v) is not list or any(type(t) is not int or t < 0 for t in v):
+        raise ValueError(f"sampling_params.{key} must be a list of non-negative integers.")
+    return list(dict.fromkeys(v))                     # SGLang keeps a set; we keep order
+
+
+def _logit_bias(key: str, v: Any) -> dict[str, float] | None:
+    if type(v) is not dict:
+        raise ValueError(f"sampling_params.{key} must be an object mapping token ids to "
+                         f"numbers, got {_json_type(v)}.")
+    out: dict[str, float] = {}
+    for token_id, bias in v.items():
+        if type(token_id) is not str or not (token_id.isascii() and token_id.isdigit()):
+            raise ValueError(f"sampling_params.{key} keys must be token ids, got "
+                             f"{token_id!r}.")
+        out[str(int(token_id))] = _float(f"{key}[{token_id!r}]", bias)
+    return out or None
+
+
+_PARSERS = {
+    "max_new_tokens": _int, "temperature": _float, "top_p": _float, "top_k": _int,
+    "min_p": _float, "frequency_penalty": _float, "presence_penalty": _float,
+    "repetition_penalty": _float, "min_new_tokens": _int, "stop": _stop,
+    "stop_token_ids": _token_ids, "ignore_eos": _bool, "skip_special_tokens": _bool,
+    "spaces_between_special_tokens": _bool, "no_stop_trim": _bool, "n": _int,
+    "sampling_seed": _int, "logit_bias": _logit_bias,
+}
+assert set(_PARSERS) == set(SamplingParams.__dataclass_fields__)
+
+# SGLang accepts these; we do not implement them. Null is tolerated (clients send all keys).
+_SGLANG_UNSUPPORTED = frozenset({
+    "stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "custom_params",
+    "stream_interval",
+})

@@ -1,0 +1,64 @@
+"""ServerArgs: every server setting, parsed once by launch.py and handed to each process.
+
+It lives in wire/ because it is part of what every process agrees on at startup. Flag
+names follow SGLang's where SGLang has the flag (`--model-path`, `--port`, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+
+def _opt(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(slots=True)
+class ServerArgs:
+    model_path: str | None = _opt(None, "Hugging Face model directory. Default: the built-in "
+                                  "tiny demo model, built on first use.")
+    tokenizer_path: str | None = _opt(None, "Tokenizer directory (default: the model path).")
+    host: str = _opt("127.0.0.1", "HTTP host to bind.")
+    port: int = _opt(30000, "HTTP port.")
+    device: str = _opt("cpu", "Device for the model: cpu or cuda.", choices=["cpu", "cuda"])
+    dtype: str = _opt("auto", "Weight and activation dtype (auto: bfloat16 on cuda, float32 "
+                      "on cpu).", choices=["auto", "float32", "bfloat16", "float16"])
+    context_length: int | None = _opt(None, "Context length (default: the model's "
+                                      "max_position_embeddings).")
+    max_total_tokens: int | None = _opt(None, "KV pool size in tokens (default: from a "
+                                        "memory budget).")
+    max_running_requests: int = _opt(64, "Most requests in the running batch.")
+    chunked_prefill_size: int = _opt(2048, "Most prompt tokens prefilled in one step.")
+    incremental_streaming_output: bool = _opt(False, "Stream only new text and ids in each "
+                                              "frame instead of the cumulative output.")
+    random_seed: int = _opt(0, "Seed for sampling of requests without sampling_seed.")
+    log_level: str = _opt("info", "Log level.",
+                          choices=["debug", "info", "warning", "error", "critical"])
+
+    @classmethod
+    def from_cli(cls, argv: list[str] | None = None) -> "ServerArgs":
+        parser = argparse.ArgumentParser(prog="launch.py", description="zserve server")
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            meta = dict(f.metadata)
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", help=meta["help"])
+                continue
+            base = f.type.split(" |")[0] if isinstance(f.type, str) else f.type
+            kind = {"int": int, "str": str, "float": float}[base]
+            parser.add_argument(flag, type=kind, default=f.default, **meta)
+        ns = parser.parse_args(argv)
+        args = cls(**vars(ns))
+        args.check()
+        return args
+
+    def check(self) -> None:
+        for name in ("port", "max_running_requests", "chunked_prefill_size"):
+            if getattr(self, name) <= 0:
+                raise SystemExit(f"--{name.replace('_', '-')} must be positive")
+
+    @property
+    def resolved_tokenizer_path(self) -> str:
+        return self.tokenizer_path or self.model_path  # type: ignore[return-value]

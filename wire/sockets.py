@@ -1,0 +1,89 @@
+"""Typed ZeroMQ endpoints: an Inbox (PULL, bound by its owner) and an Outbox (PUSH, connects).
+
+Receivers never see raw frames: a frame that fails to decode is logged and counted in
+`Inbox.bad_frames`, then skipped. High-water marks are unlimited so a slow consumer applies
+back-pressure through memory rather than by dropping or blocking a step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import zmq
+import zmq.asyncio
+
+from wire.codec import DecodeError, decode, encode
+
+log = logging.getLogger(__name__)
+
+
+def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    return sock
+
+
+class Inbox:
+    """The owner's PULL socket. `recv(timeout_ms)` blocks up to timeout (None: forever) for
+    the first message, then drains whatever else is already queued without blocking."""
+
+    def __init__(self, ctx: zmq.Context, address: str):
+        self.sock = _socket(ctx, zmq.PULL)
+        self.sock.bind(address)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.bad_frames = 0
+
+    def _decode(self, frame: bytes):
+        try:
+            return decode(frame)
+        except DecodeError as e:
+            self.bad_frames += 1
+            log.error("dropped a bad frame (%d so far): %s", self.bad_frames, e)
+            return None
+
+    def recv(self, timeout_ms: int | None) -> list:
+        if not self.poller.poll(timeout_ms):
+            return []
+        out = []
+        while True:
+            try:
+                frame = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            msg = self._decode(frame)
+            if msg is not None:
+                out.append(msg)
+
+
+class AsyncInbox(Inbox):
+    """Inbox for an asyncio process (the API): `await recv()` yields the next good message."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str):
+        self.sock = _socket(ctx, zmq.PULL)
+        self.sock.bind(address)
+        self.bad_frames = 0
+
+    async def recv_one(self):
+        while True:
+            msg = self._decode(await self.sock.recv())
+            if msg is not None:
+                return msg
+
+
+class Outbox:
+    """A PUSH socket connected to another process's inbox."""
+
+    def __init__(self, ctx: zmq.Context, address: str):
+        self.sock = _socket(ctx, zmq.PUSH)
+        self.sock.connect(address)
+
+    def send(self, msg) -> None:
+        self.sock.send(encode(msg))
+
+
+class AsyncOutbox(Outbox):
+    async def send(self, msg) -> None:   # type: ignore[override]
+        await self.sock.send(encode(msg))
