@@ -1,0 +1,14 @@
+"""Model definitions for the scheduler: Llama-family decoders in plain torch.
+
+    config = ModelConfig.from_dir(path)            # parsed, checked config.json
+    model = load_model(path, torch.bfloat16, "cuda")
+    hidden = model(input_ids, positions, attn)     # flat ragged batch of N tokens
+    logits = model.compute_logits(hidden[last])    # float32 [M, vocab]
+
+`attn(layer_id, q, k, v)` owns the KV cache and the attention math; see llama.py.
+"""
+
+from .config import ModelConfig
+from .loader import load_model
+
+__all__ = ["ModelConfig", "load_model"]

@@ -1,0 +1,134 @@
+"""ModelConfig: the few numbers of a Hugging Face `config.json` that the model file needs.
+
+Parsed once, checked once: an architecture or feature we do not implement is a ValueError here,
+at startup, rather than wrong tokens later. Both config dialects are read: transformers 5
+(`rope_parameters: {"rope_type", "rope_theta", ...}`, `dtype`) and older ones (top-level
+`rope_theta` + `rope_scaling`, `torch_dtype`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# HF architecture name -> family. Everything in the model file keys off the family.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+ROPE_TYPES = ("default", "llama3")
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str               # e.g. "Qwen3ForCausalLM"
+    family: str                     # "llama" | "mistral" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int                   # explicit in Qwen3/Mistral configs, may differ from hidden/heads
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None       # None for plain RoPE; else the "llama3" parameters
+    max_position_embeddings: int
+    qkv_bias: bool                  # qwen2: always; llama/qwen3: attention_bias; mistral: never
+    o_bias: bool                    # llama/qwen3: attention_bias; qwen2/mistral: never
+    mlp_bias: bool                  # llama only (`mlp_bias`)
+    qk_norm: bool                   # qwen3: per-head RMSNorm on q and k before RoPE
+    tie_word_embeddings: bool
+    sliding_window: int | None      # mistral v0.1; the model ignores it, attention must apply it
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    dtype: torch.dtype | None = None  # the checkpoint's dtype, informational
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        model_dir = Path(model_dir)
+        cfg = json.loads((model_dir / "config.json").read_text())
+        gen_path = model_dir / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+        return cls.from_dict(cfg, gen)
+
+    @classmethod
+    def from_dict(cls, cfg: dict, generation: dict | None = None) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}: "
+                f"zserve supports {sorted(ARCHITECTURES)}")
+        family = ARCHITECTURES[arch]
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (only 'silu')")
+        if cfg.get("use_sliding_window"):   # qwen2/qwen3 per-layer sliding windows
+            raise ValueError(f"{arch} with use_sliding_window=true is not supported")
+
+        num_heads = cfg["num_attention_heads"]
+        rope_theta, rope_scaling = _parse_rope(cfg)
+        attention_bias = bool(cfg.get("attention_bias", False))
+        dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
+        return cls(
+            architecture=arch,
+            family=family,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            intermediate_size=cfg["intermediate_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            qkv_bias={"qwen2": True, "mistral": False}.get(family, attention_bias),
+            o_bias=family in ("llama", "qwen3") and attention_bias,
+            mlp_bias=family == "llama" and bool(cfg.get("mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            sliding_window=cfg.get("sliding_window") if family == "mistral" else None,
+            eos_token_ids=_eos_ids(cfg, generation or {}),
+            bos_token_id=cfg.get("bos_token_id"),
+            dtype=_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
+        )
+
+
+def _parse_rope(cfg: dict) -> tuple[float, dict | None]:
+    """(rope_theta, scaling params or None) from either config dialect."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r}: zserve supports {ROPE_TYPES}")
+    if rope_type == "default":
+        return float(theta), None
+    params["rope_type"] = rope_type
+    params.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+    return float(theta), params
+
+
+def _eos_ids(cfg: dict, generation: dict) -> list[int]:
+    """Union of config.json's and generation_config.json's eos_token_id (each int or list)."""
+    ids: list[int] = []
+    for value in (cfg.get("eos_token_id"), generation.get("eos_token_id")):
+        for i in value if isinstance(value, list) else [value]:
+            if i is not None and i not in ids:
+                ids.append(int(i))
+    return ids

@@ -1,0 +1,164 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in plain torch.
+
+The model runs over a flat, ragged batch: N tokens from any number of requests, each token
+with its own position. Everything that mixes tokens of one request lives in the `attn`
+object passed to `forward` (paged KV pool + attention kernel); every other op here is per
+token, so the batch layout never matters to this file.
+
+    attn(layer_id, q, k, v) -> o
+        q: [N, num_heads, head_dim]; k, v: [N, num_kv_heads, head_dim]  (RoPE already applied;
+        v may be a strided view). o: [N, num_heads, head_dim]. Softmax scale is head_dim**-0.5.
+
+The families differ only in config flags (see ModelConfig): qkv/o/mlp biases, Qwen3's
+per-head q/k RMSNorm, tied embeddings and the RoPE frequencies. q/k/v and gate/up are fused
+into one matmul each; the loader fills the fused weights from the checkpoint's parts.
+Numerics follow transformers' modeling_llama (RMSNorm in float32, RoPE tables cast to the
+model dtype, logits in the model dtype then float32), so greedy outputs match it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig
+
+
+class AttentionBackend(Protocol):
+    """KV cache + attention over a flat batch; see the module docstring."""
+
+    def __call__(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x / rms(x) in float32, cast back, then scale in the model dtype (as HF does).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> Tensor:
+    """theta^(-2i/d) for i < d/2, with Llama 3.1's frequency rescaling when configured."""
+    d = config.head_dim
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, device=device).float() / d)
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    # llama3: keep high frequencies (short wavelengths), divide low ones by `factor`, and
+    # interpolate linearly in 1/wavelength between the two bands.
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(config: ModelConfig, device: torch.device | str | None = None) -> Tensor:
+    """[max_positions, head_dim] float32 table: cos(p * f) in the first half, sin in the second."""
+    inv_freq = rope_inv_freq(config, device)
+    positions = torch.arange(config.max_position_embeddings, device=device).float()
+    freqs = torch.outer(positions, inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate each (x[i], x[i + d/2]) pair by its angle: HF's `x*cos + rotate_half(x)*sin`
+    with the halves written out. x: [N, heads, d]; cos, sin: [N, 1, d/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        # Qwen3 normalizes each head of q and k (over head_dim) before RoPE; others don't.
+        qk_norm = config.qk_norm
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else nn.Identity()
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        o = attn(self.layer_id, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
+                                      bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size,
+                                   bias=config.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = SelfAttention(config, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class CausalLM(nn.Module):
+    """Parameter names are HF's minus the `model.` prefix, with q/k/v fused into
+    `self_attn.qkv_proj` and gate/up into `mlp.gate_up_proj` (see loader.py)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        # Built on the CPU even when the module is built on `meta`; load_model moves and casts it.
+        self.register_buffer("cos_sin", rope_cos_sin(config, device="cpu"), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
+        """input_ids, positions: [N] -> [N, hidden], the residual stream after the last layer
+        (compute_logits applies the final norm, only to the rows that need logits)."""
+        x = self.embed_tokens(input_ids)
+        # One gather for all layers; [N, 1, d/2] each, broadcast over heads.
+        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return x
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden: [M, hidden] rows of forward's output -> [M, vocab] float32 logits."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(self.norm(hidden), weight).float()

@@ -1,0 +1,99 @@
+"""load_model: a Hugging Face checkpoint directory -> CausalLM on a device, in a dtype.
+
+The module is built on `meta` (no memory, no random init); each parameter is then allocated
+once on the target device and every checkpoint tensor is copied straight into its rows of
+it, so fusing q/k/v and gate/up costs no extra copy and peak host memory stays one tensor.
+Any checkpoint tensor we cannot place, or parameter left unfilled, is an error listing them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig
+from .llama import CausalLM
+
+# Our fused projection -> its checkpoint parts, stacked in this order along the output dim.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype,
+               device: str | torch.device) -> CausalLM:
+    config = ModelConfig.from_dir(model_dir)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    params = {name: torch.empty(p.shape, dtype=dtype, device=device)
+              for name, p in model.named_parameters()}
+    targets = _checkpoint_targets(config, params)
+
+    filled, unexpected = set(), []
+    for path in _safetensors_files(Path(model_dir)):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key.endswith("rotary_emb.inv_freq"):        # recomputed, not loaded
+                    continue
+                if key == "lm_head.weight" and config.tie_word_embeddings:
+                    continue                                    # a redundant copy of the embedding
+                if key not in targets:
+                    unexpected.append(key)
+                    continue
+                name, rows = targets[key]
+                dst, src = params[name][rows], f.get_slice(key)
+                if tuple(dst.shape) != tuple(src.get_shape()):
+                    raise ValueError(f"{path.name}: {key} has shape {tuple(src.get_shape())}, "
+                                     f"expected {tuple(dst.shape)} for {config.architecture}")
+                dst.copy_(f.get_tensor(key))                    # casts to dtype, moves to device
+                filled.add(key)
+    missing = sorted(targets.keys() - filled)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {model_dir} does not match {config.architecture}: "
+                         f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+                         f"unexpected tensors {sorted(unexpected)[:8]}"
+                         f"{'...' if len(unexpected) > 8 else ''}")
+
+    model.load_state_dict(params, strict=True, assign=True)
+    model.cos_sin = model.cos_sin.to(device=device, dtype=dtype)  # HF casts cos/sin to the dtype too
+    return model.requires_grad_(False).eval()
+
+
+def _checkpoint_targets(config: ModelConfig,
+                        params: dict[str, torch.Tensor]) -> dict[str, tuple[str, slice]]:
+    """Checkpoint tensor name -> (our parameter name, the rows of it that tensor fills)."""
+    part_rows = {"q_proj": config.q_size, "k_proj": config.kv_size, "v_proj": config.kv_size,
+                 "gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
+    targets = {}
+    for name in params:
+        module, kind = name.rsplit(".", 1)                      # kind: "weight" | "bias"
+        hf_module = module if module == "lm_head" else f"model.{module}"
+        fused = next((f for f in _FUSED if module.endswith(f)), None)
+        if fused is None:
+            targets[f"{hf_module}.{kind}"] = (name, slice(None))
+            continue
+        prefix, start = hf_module[: -len(fused)], 0             # "model.layers.3."
+        for part in _FUSED[fused]:
+            n = part_rows[part.rsplit(".", 1)[1]]
+            targets[f"{prefix}{part}.{kind}"] = (name, slice(start, start + n))
+            start += n
+    return targets
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    """The shards named by model.safetensors.index.json, else model.safetensors, else all
+    *.safetensors (a directory may also hold e.g. Mistral's consolidated.safetensors)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    if (model_dir / "model.safetensors").exists():
+        return [model_dir / "model.safetensors"]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return files

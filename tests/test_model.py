@@ -1,0 +1,162 @@
+"""The plain-torch model against transformers, family by family, on tiny random checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config,
+                          Qwen3Config)
+
+from model_helpers import DenseCausalAttention
+from scheduler_proc.models import ModelConfig, load_model
+
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+             bos_token_id=1, eos_token_id=2)
+
+FAMILIES = {
+    "llama": lambda: LlamaConfig(**SMALL),
+    "llama_bias": lambda: LlamaConfig(**SMALL, attention_bias=True, mlp_bias=True),
+    "llama_tied": lambda: LlamaConfig(**SMALL, tie_word_embeddings=True),
+    "llama3_rope": lambda: LlamaConfig(**SMALL, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "qwen2": lambda: Qwen2Config(**SMALL),                          # qkv bias
+    "qwen3": lambda: Qwen3Config(**SMALL, head_dim=32),             # 32 != 64/4; q/k norm
+    "mistral": lambda: MistralConfig(**SMALL, sliding_window=4096),
+}
+
+
+def make_checkpoint(hf_config, path, **save_kwargs):
+    """A random HF model saved to `path`, weights scaled up so logits are far from uniform."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.15)
+    hf.save_pretrained(path, **save_kwargs)
+    return hf
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return path, make_checkpoint(FAMILIES[request.param](), path)
+
+
+def hf_logits(hf, ids, start=0):
+    with torch.no_grad():
+        pos = torch.arange(start, start + len(ids))[None]
+        return hf(input_ids=ids[None], position_ids=pos).logits[0].float()
+
+
+def our_logits(model, seqs):
+    """seqs: [(ids, start_position)] run as one flat batch -> logits for every token."""
+    ids = torch.cat([s for s, _ in seqs])
+    positions = torch.cat([torch.arange(p, p + len(s)) for s, p in seqs])
+    attn = DenseCausalAttention([len(s) for s, _ in seqs])
+    return model.compute_logits(model(ids, positions, attn))
+
+
+def test_logits_match_hf(checkpoint):
+    path, hf = checkpoint
+    model = load_model(path, torch.float32, "cpu")
+    ids = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(1))
+    expected = hf_logits(hf, ids)
+    assert expected.std() > 1.0                      # not near-uniform: the check has teeth
+    got = our_logits(model, [(ids, 0)])
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_ragged_batch_matches_hf(checkpoint):
+    """Three requests in one flat batch, one of them mid-sequence (positions from 300)."""
+    path, hf = checkpoint
+    model = load_model(path, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(2)
+    seqs = [(torch.randint(0, 256, (n,), generator=g), start)
+            for n, start in [(11, 0), (5, 0), (9, 300)]]
+    got = our_logits(model, seqs)
+    expected = torch.cat([hf_logits(hf, ids, start) for ids, start in seqs])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_bfloat16_is_close(checkpoint):
+    """bf16 against HF fp32 (loose) and HF bf16 (same roundings: equal on CPU today)."""
+    path, hf = checkpoint
+    model = load_model(path, torch.bfloat16, "cpu")
+    assert model.embed_tokens.weight.dtype == model.cos_sin.dtype == torch.bfloat16
+    ids = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(1))
+    got = our_logits(model, [(ids, 0)])
+    assert got.dtype == torch.float32
+    expected = hf_logits(hf, ids)
+    assert (got - expected).abs().max() < 0.25 * expected.std()
+    hf_bf16 = hf_logits(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16), ids)
+    torch.testing.assert_close(got, hf_bf16, atol=0.1, rtol=0)
+    assert torch.equal(got.argmax(-1), hf_bf16.argmax(-1))
+
+
+def test_tied_checkpoint_has_no_lm_head(tmp_path):
+    make_checkpoint(FAMILIES["llama_tied"](), tmp_path)
+    assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+    model = load_model(tmp_path, torch.float32, "cpu")
+    assert model.lm_head is None
+
+
+def test_sharded_checkpoint(tmp_path):
+    hf = make_checkpoint(FAMILIES["qwen3"](), tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    model = load_model(tmp_path, torch.float32, "cpu")
+    ids = torch.arange(20)
+    torch.testing.assert_close(our_logits(model, [(ids, 0)]), hf_logits(hf, ids),
+                               atol=1e-4, rtol=0)
+
+
+def test_missing_and_unexpected_tensors_are_named(tmp_path):
+    make_checkpoint(FAMILIES["llama"](), tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["model.layers.0.self_attn.extra.weight"] = weights.pop(
+        "model.layers.1.self_attn.k_proj.weight")
+    save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing tensors \['model\.layers\.1\.self_attn\."
+                                         r"k_proj\.weight'\].*self_attn\.extra\.weight"):
+        load_model(tmp_path, torch.float32, "cpu")
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 10}))
+    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel.*"
+                                         "LlamaForCausalLM"):
+        ModelConfig.from_dir(tmp_path)
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        load_model(tmp_path, torch.float32, "cpu")
+
+
+def test_config_from_old_style_json(tmp_path):
+    """Pre-transformers-5 dialect: rope_theta + rope_scaling, torch_dtype, eos as a list,
+    plus generation_config.json's eos ids."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "rope_theta": 500000.0, "rope_scaling": {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": [128001, 128008],
+        "tie_word_embeddings": False}))
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [128001, 128009]}))
+    c = ModelConfig.from_dir(tmp_path)
+    assert (c.family, c.head_dim, c.num_kv_heads, c.rope_theta) == ("llama", 128, 8, 500000.0)
+    assert c.rope_scaling["rope_type"] == "llama3" and c.rope_scaling["factor"] == 8.0
+    assert c.eos_token_ids == [128001, 128008, 128009] and c.bos_token_id == 128000
+    assert c.dtype == torch.bfloat16
+    assert not (c.qkv_bias or c.o_bias or c.qk_norm or c.tie_word_embeddings)
