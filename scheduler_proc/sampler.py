@@ -1,0 +1,168 @@
+"""Batched token sampling: one set of tensor ops for the whole batch, no loop over the vocab.
+
+Order of operations for one decode step (the scheduler's job to call them in this order):
+  1. `apply_penalties(logits, batch, output_counts)`  frequency/presence/repetition, logit_bias
+  2. (not yet) min_new_tokens: mask EOS/stop tokens of requests still under their minimum
+  3. `sample(logits, batch, generators)`               greedy or temperature/top-k/top-p/min-p
+
+Filtering semantics, per non-greedy row, on p = softmax(logits / temperature):
+  top-k  keep the k most likely tokens;
+  top-p  of what top-k kept (renormalized), keep the smallest most-likely-first prefix whose
+         probability reaches top_p; the most likely token is always kept;
+  min-p  drop tokens with p < min_p * max(p) (the ratio does not change under renormalizing);
+then renormalize and draw. This is vLLM's and FlashInfer's (top-k first) order; SGLang's torch
+fallback instead takes top-p on the un-renormalized distribution.
+
+A row with a generator (a request with sampling_seed) is drawn with it, from its filtered
+distribution in vocabulary order, so its token does not depend on the rest of the batch.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from wire.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling tensors for one batch, built once by `from_params`. Greedy rows get
+    neutral values (temperature 1, no filtering) so they never trigger the filtering path."""
+    vocab_size: int
+    temperatures: torch.Tensor      # [B, 1] float32, 1.0 for greedy rows
+    top_ps: torch.Tensor            # [B] float32
+    top_ks: torch.Tensor            # [B] int64, in [1, vocab_size]
+    min_ps: torch.Tensor            # [B] float32
+    is_greedy: torch.Tensor         # [B] bool
+    all_greedy: bool
+    need_top_k: bool                # some non-greedy row has top_k < vocab_size
+    need_top_p: bool                # some non-greedy row has top_p < 1
+    need_min_p: bool                # some non-greedy row has min_p > 0
+    # Penalties: None when no row in the batch uses them.
+    frequency_penalties: torch.Tensor | None = None   # [B, 1] float32
+    presence_penalties: torch.Tensor | None = None    # [B, 1] float32
+    repetition_penalties: torch.Tensor | None = None  # [B, 1] float32
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, ids, vals
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], vocab_size: int,
+                    device: torch.device | str) -> "SamplingBatch":
+        greedy = [p.is_greedy for p in params]
+        temps, top_ps, top_ks, min_ps = [], [], [], []
+        for p, g in zip(params, greedy):
+            temps.append(1.0 if g else p.temperature)
+            top_ps.append(1.0 if g else p.top_p)
+            top_ks.append(vocab_size if g or p.top_k < 1 else min(p.top_k, vocab_size))
+            min_ps.append(0.0 if g else p.min_p)
+
+        def f32(xs: list[float]) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.float32, device=device)
+
+        batch = cls(
+            vocab_size=vocab_size,
+            temperatures=f32(temps).view(-1, 1),
+            top_ps=f32(top_ps),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            min_ps=f32(min_ps),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            all_greedy=all(greedy),
+            need_top_k=any(k < vocab_size for k in top_ks),
+            need_top_p=any(p < 1.0 for p in top_ps),
+            need_min_p=any(m > 0.0 for m in min_ps),
+        )
+        if any(p.frequency_penalty != 0.0 for p in params):
+            batch.frequency_penalties = f32([p.frequency_penalty for p in params]).view(-1, 1)
+        if any(p.presence_penalty != 0.0 for p in params):
+            batch.presence_penalties = f32([p.presence_penalty for p in params]).view(-1, 1)
+        if any(p.repetition_penalty != 1.0 for p in params):
+            batch.repetition_penalties = f32([p.repetition_penalty for p in params]).view(-1, 1)
+        rows, ids, vals = [], [], []
+        for i, p in enumerate(params):
+            for token_id, bias in (p.logit_bias or {}).items():
+                if 0 <= int(token_id) < vocab_size:   # verified upstream; never index past V
+                    rows.append(i)
+                    ids.append(int(token_id))
+                    vals.append(bias)
+        if rows:
+            batch.logit_bias = (torch.tensor(rows, dtype=torch.int64, device=device),
+                                torch.tensor(ids, dtype=torch.int64, device=device),
+                                f32(vals))
+        return batch
+
+    @property
+    def need_penalties(self) -> bool:
+        return (self.frequency_penalties is not None or self.presence_penalties is not None
+                or self.repetition_penalties is not None or self.logit_bias is not None)
+
+
+def seeded_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """The per-request generator for a request with sampling_seed; keep it for the request's
+    lifetime so step k of a seeded request always draws the same way."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch,
+                    output_counts: torch.Tensor | None) -> torch.Tensor:
+    """Return the penalized `logits` [B, V] float32 (may modify them in place).
+    `output_counts` [B, V] counts each token in each request's output so far (SGLang
+    penalizes output tokens only); None skips the penalties. logit_bias is added last."""
+    if output_counts is not None:
+        if batch.repetition_penalties is not None:
+            seen = output_counts > 0
+            rp = batch.repetition_penalties
+            penalized = torch.where(logits > 0, logits / rp, logits * rp)
+            logits = torch.where(seen, penalized, logits)
+        if batch.frequency_penalties is not None:
+            logits -= batch.frequency_penalties * output_counts
+        if batch.presence_penalties is not None:
+            logits -= batch.presence_penalties * (output_counts > 0)
+    if batch.logit_bias is not None:
+        rows, ids, vals = batch.logit_bias
+        logits.index_put_((rows, ids), vals, accumulate=True)
+    return logits
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch,
+           generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
+    """One token per row: LongTensor [B]. `generators[i]`, when not None, draws row i."""
+    logits = logits.float()
+    greedy_ids = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return greedy_ids
+
+    probs = torch.softmax(logits / batch.temperatures, dim=-1)
+    probs = _filter(probs, batch)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    sampled = torch.multinomial(probs, num_samples=1).view(-1)
+    for i, gen in enumerate(generators or ()):
+        if gen is not None:
+            sampled[i] = torch.multinomial(probs[i], num_samples=1, generator=gen)[0]
+    return torch.where(batch.is_greedy, greedy_ids, sampled)
+
+
+def _filter(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Zero out what top-k, top-p and min-p drop; the result stays in vocabulary order."""
+    min_ps = batch.min_ps.view(-1, 1)
+    if not (batch.need_top_k or batch.need_top_p):
+        if batch.need_min_p:
+            max_p = probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < min_ps * max_p, 0.0)
+        return probs
+
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    if batch.need_top_k:
+        rank = torch.arange(sorted_p.shape[-1], device=probs.device)
+        sorted_p = sorted_p.masked_fill(rank.view(1, -1) >= batch.top_ks.view(-1, 1), 0.0)
+    if batch.need_top_p:
+        # Token i is kept iff the mass strictly before it is below top_p of what top-k left:
+        # the smallest prefix reaching top_p. Rows with top_p == 1 are left alone (rounding).
+        cum = sorted_p.cumsum(dim=-1)
+        before = cum - sorted_p
+        limit = batch.top_ps.view(-1, 1) * cum[:, -1:]
+        drop = (before >= limit) & (batch.top_ps.view(-1, 1) < 1.0)
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+    if batch.need_min_p:            # column 0 is the max, which top-k and top-p always keep
+        sorted_p = sorted_p.masked_fill(sorted_p < min_ps * sorted_p[:, :1], 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
