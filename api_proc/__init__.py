@@ -1,0 +1,1 @@
+"""The API process: HTTP routes, per-request state and timing, batch joining, streaming."""

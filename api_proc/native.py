@@ -1,0 +1,228 @@
+"""SGLang's native POST /generate: body normalization and the four response forms.
+
+The body is validated here, at the boundary; everything after trusts it. A body becomes a
+list of GenerateRequests in output order (prompt-major when n > 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from api_proc.state import Dispatcher, DuplicateRid, RequestState
+from wire.messages import GenerateRequest
+from wire.sampling import SamplingParams
+
+UNSUPPORTED_YET = ("return_logprob", "top_logprobs_num", "logprob_start_len")
+KNOWN_KEYS = {"text", "input_ids", "sampling_params", "rid", "stream", *UNSUPPORTED_YET}
+
+
+class BadRequest(ValueError):
+    """Client error with the message to show. status: the HTTP status to answer."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+def error_response(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+@dataclass(slots=True)
+class ParsedGenerate:
+    requests: list[GenerateRequest]
+    is_batch: bool          # the response is an array (or frames carry "index")
+    stream: bool
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int
+
+
+def _prompts(body: dict) -> tuple[list[str] | list[list[int]], bool, str]:
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise BadRequest("Either text or input_ids should be provided.")
+    if text is not None:
+        if isinstance(text, str):
+            return [text], False, "text"
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return text, True, "text"
+        raise BadRequest("text must be a string or a non-empty list of strings.")
+    if isinstance(ids, list) and ids and all(_is_int(t) for t in ids):
+        return [ids], False, "input_ids"
+    if (isinstance(ids, list) and ids and all(isinstance(p, list) and p and
+                                              all(_is_int(t) for t in p) for p in ids)):
+        return ids, True, "input_ids"
+    raise BadRequest("input_ids must be a non-empty list of integers or a non-empty list of "
+                     "such lists.")
+
+
+def _sampling(body: dict, num: int, is_batch: bool) -> list[SamplingParams]:
+    raw = body.get("sampling_params")
+    try:
+        if isinstance(raw, list):
+            if not is_batch or len(raw) != num:
+                raise BadRequest(f"sampling_params is a list of {len(raw)} but there are "
+                                 f"{num} prompts.")
+            return [SamplingParams.from_json(p) for p in raw]
+        return [SamplingParams.from_json(raw)] * num
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+
+
+def _rids(body: dict, num: int, ns: list[int], is_batch: bool) -> list[str]:
+    """One rid per output, prompt-major. A user rid on a batch or with n > 1 gets `_i`."""
+    rid = body.get("rid")
+    total = sum(ns)
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(total)]
+    if isinstance(rid, str):
+        if total == 1 and not is_batch:
+            return [rid]
+        return [f"{rid}_{i}" for i in range(total)]
+    if isinstance(rid, list) and len(rid) == num and all(isinstance(r, str) for r in rid):
+        return [r if n == 1 else f"{r}_{j}" for r, n in zip(rid, ns) for j in range(n)]
+    raise BadRequest("rid must be a string or a list of strings, one per prompt.")
+
+
+def parse_generate(body: Any) -> ParsedGenerate:
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    unknown = sorted(set(body) - KNOWN_KEYS)
+    if unknown:
+        raise BadRequest(f"Unknown field(s) in the request: {', '.join(unknown)}.")
+    for key in UNSUPPORTED_YET:
+        if body.get(key) not in (None, False, 0, -1):
+            raise BadRequest(f"{key} is not supported yet.")
+    prompts, is_batch, kind = _prompts(body)
+    params = _sampling(body, len(prompts), is_batch)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("stream must be a boolean.")
+    ns = [p.n for p in params]
+    rids = _rids(body, len(prompts), ns, is_batch)
+    reqs = []
+    for prompt, p, n in zip(prompts, params, ns):
+        one = replace(p, n=1)
+        for _ in range(n):
+            reqs.append(GenerateRequest(
+                rid=rids[len(reqs)], text=prompt if kind == "text" else None,
+                input_ids=prompt if kind == "input_ids" else None, sampling=one, stream=stream))
+    return ParsedGenerate(reqs, is_batch or len(reqs) > 1, stream)
+
+
+async def read_json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"Malformed JSON body: {e}") from None
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def item_json(state: RequestState, incremental: bool = False) -> dict:
+    out = state.last
+    assert out is not None
+    return {"text": out.text if incremental else state.text,
+            "output_ids": out.new_ids if incremental else list(state.output_ids),
+            "meta_info": state.meta_info()}
+
+
+class GenerateHandler:
+    def __init__(self, dispatcher: Dispatcher, incremental_streaming: bool):
+        self.dispatcher = dispatcher
+        self.incremental = incremental_streaming
+
+    async def handle(self, request: Request) -> Response:
+        try:
+            parsed = parse_generate(await read_json(request))
+            if self.dispatcher.lost:
+                raise BadRequest(f"Server unhealthy: {self.dispatcher.lost}", 503)
+            states = self.dispatcher.submit(parsed.requests)
+        except (BadRequest, DuplicateRid) as e:
+            return error_response(str(e), getattr(e, "status", 400))
+        if parsed.stream:
+            return await self.stream(request, states, parsed.is_batch)
+        return await self.unary(request, states, parsed.is_batch)
+
+    async def _until_done(self, request: Request, work) -> bool:
+        """Run `work` unless the client disconnects first. True if it completed."""
+        task = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(wait_disconnect(request))
+        try:
+            await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not task.done():
+            task.cancel()
+            return False
+        task.result()
+        return True
+
+    async def unary(self, request: Request, states: list[RequestState],
+                    is_batch: bool) -> Response:
+        # gather drains every item concurrently and keeps input order.
+        done = await self._until_done(request, asyncio.gather(
+            *(s.wait_finished() for s in states)))
+        if not done:
+            self.dispatcher.abort_unfinished(states)
+            return Response(status_code=499)
+        failed = next((s for s in states if s.error is not None), None)
+        if failed is not None:
+            return error_response(failed.error.message, failed.error.status_code)
+        items = [item_json(s) for s in states]
+        return JSONResponse(items if is_batch else items[0])
+
+    async def stream(self, request: Request, states: list[RequestState],
+                     is_batch: bool) -> Response:
+        # Wait for each item's first output so a rejected prompt is a plain HTTP error.
+        done = await self._until_done(request, asyncio.gather(*(s.next() for s in states)))
+        if not done:
+            self.dispatcher.abort_unfinished(states)
+            return Response(status_code=499)
+        failed = next((s for s in states if s.error is not None), None)
+        if failed is not None:
+            self.dispatcher.abort_unfinished(states)
+            return error_response(failed.error.message, failed.error.status_code)
+        return StreamingResponse(self._frames(states, is_batch),
+                                 media_type="text/event-stream")
+
+    async def _frames(self, states: list[RequestState], is_batch: bool) -> AsyncIterator[str]:
+        merged: asyncio.Queue[tuple[int, dict]] = asyncio.Queue()
+
+        async def pump(i: int, state: RequestState) -> None:
+            while True:
+                frame = item_json(state, self.incremental)
+                if is_batch:
+                    frame["index"] = i
+                merged.put_nowait((i, frame))
+                if state.finished:
+                    return
+                await state.next()
+
+        pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(states)]
+        try:
+            remaining = len(states)
+            while remaining:
+                _, frame = await merged.get()
+                if frame["meta_info"]["finish_reason"] is not None:
+                    remaining -= 1
+                yield f"data: {json.dumps(frame, ensure_ascii=False)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            for p in pumps:
+                p.cancel()
+            self.dispatcher.abort_unfinished(states)

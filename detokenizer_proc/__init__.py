@@ -1,0 +1,1 @@
+"""The detokenizer: token ids -> text deltas, stop strings, back to the API."""

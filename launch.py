@@ -1,0 +1,197 @@
+"""zserve entry point: parse ServerArgs, spawn the pipeline, supervise it, serve HTTP.
+
+    python launch.py --model-path DIR [--port 30000] ...
+
+The launcher is the API process. It spawns the tokenizer, scheduler and detokenizer
+(multiprocessing "spawn"), waits for each to report ready, then serves HTTP with uvicorn on
+uvloop. A supervisor thread blocks on the children's sentinels: if one dies, /health turns
+503, requests in flight fail with 503, and the launcher tears everything down and exits 1.
+SIGTERM/SIGINT: uvicorn stops accepting and drains in-flight requests, then the children are
+stopped, the ipc directory removed, and the exit code is 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import time
+from multiprocessing.connection import wait
+
+import setproctitle
+
+from wire.addresses import Addresses
+from wire.messages import SchedulerLoad
+from wire.proc import read_ready
+from wire.server_args import ServerArgs
+
+log = logging.getLogger("zserve")
+CHILD_STOP_TIMEOUT = 5.0
+GRACEFUL_SHUTDOWN_TIMEOUT = 5
+
+
+def resolve_args(args: ServerArgs) -> ServerArgs:
+    """Fill the defaults that depend on the model."""
+    if args.model_path is None:
+        from checkpoints.tiny import ensure_checkpoint
+        args.model_path = str(ensure_checkpoint("llama"))
+        log.info("no --model-path: serving the built-in demo model at %s", args.model_path)
+    from scheduler_proc.models.config import ModelConfig
+    config = ModelConfig.from_dir(args.model_path)
+    if args.context_length is None:
+        args.context_length = config.max_position_embeddings
+    return args
+
+
+class Children:
+    """The pipeline's processes, started and stopped together."""
+
+    def __init__(self, args: ServerArgs, addrs: Addresses):
+        import detokenizer_proc.process
+        import scheduler_proc.process
+        import tokenizer_proc.process
+        ctx = mp.get_context("spawn")
+        self.procs: dict[str, mp.Process] = {}
+        self.ready_pipes = {}
+        for name, target in [("tokenizer", tokenizer_proc.process.main),
+                             ("scheduler", scheduler_proc.process.main),
+                             ("detokenizer", detokenizer_proc.process.main)]:
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=target, args=(args, addrs, send), name=name)
+            proc.start()
+            send.close()
+            self.procs[name] = proc
+            self.ready_pipes[name] = recv
+        self.stopping = False
+
+    def wait_ready(self) -> dict[str, dict]:
+        """Block until every child reports ready; raise if one fails or dies first."""
+        infos: dict[str, dict] = {}
+        pending = dict(self.ready_pipes)
+        sentinels = {p.sentinel: n for n, p in self.procs.items()}
+        while pending:
+            for obj in wait([*pending.values(), *sentinels]):
+                if obj in sentinels:
+                    name = sentinels[obj]
+                    if name in pending:
+                        # It may have written its error before exiting.
+                        if pending[name].poll():
+                            infos[name] = read_ready(pending.pop(name))
+                        raise RuntimeError(f"{name} exited with code "
+                                           f"{self.procs[name].exitcode} during startup")
+                    continue
+                name = next(n for n, c in pending.items() if c is obj)
+                try:
+                    infos[name] = read_ready(pending.pop(name))
+                except EOFError:
+                    raise RuntimeError(f"{name} closed its ready pipe") from None
+                log.info("%s ready", name)
+        return infos
+
+    def supervise(self, on_death) -> None:
+        """Start a thread that calls on_death(name, exitcode) when a child dies unasked."""
+        def watch() -> None:
+            sentinels = {p.sentinel: n for n, p in self.procs.items()}
+            ready = wait(list(sentinels))
+            if self.stopping:
+                return
+            name = sentinels[ready[0]]
+            on_death(name, self.procs[name].exitcode)
+        threading.Thread(target=watch, name="supervisor", daemon=True).start()
+
+    def stop(self) -> None:
+        self.stopping = True
+        for p in self.procs.values():
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + CHILD_STOP_TIMEOUT
+        for p in self.procs.values():
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+class Shutdown(Exception):
+    """SIGTERM or SIGINT outside uvicorn's own handling (startup, or the signal uvicorn
+    re-raises after its graceful shutdown)."""
+
+
+def _on_signal(signum, _frame) -> None:
+    raise Shutdown(signal.Signals(signum).name)
+
+
+def serve(args: ServerArgs) -> int:
+    import uvicorn
+
+    from api_proc.app import build_app
+    from api_proc.state import Dispatcher
+
+    addrs = Addresses.create()
+    children = None
+    try:
+        dispatcher = Dispatcher(addrs)
+        children = Children(args, addrs)
+        infos = children.wait_ready()
+        pool = infos["scheduler"]["max_total_tokens"]
+        dispatcher.load = SchedulerLoad(kv_total=pool, kv_free=pool)
+        app = build_app(args, dispatcher, infos.get("scheduler", {}))
+        config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop",
+                                log_level=args.log_level, access_log=False,
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT)
+        server = uvicorn.Server(config)
+        exit_code = 0
+
+        def on_death(name: str, code: int | None) -> None:
+            nonlocal exit_code
+            exit_code = 1
+            message = f"The {name} process died (exit code {code}); shutting down."
+            log.error(message)
+            dispatcher.lose_threadsafe(message)
+            server.should_exit = True
+            # If uvicorn cannot wind down (a stuck handler), do not hang: hard exit.
+            threading.Timer(GRACEFUL_SHUTDOWN_TIMEOUT + CHILD_STOP_TIMEOUT + 5,
+                            _hard_exit, args=(children, addrs)).start()
+
+        children.supervise(on_death)
+        log.info("serving on http://%s:%d", args.host, args.port)
+        try:
+            server.run()
+        except Shutdown:
+            pass
+        return exit_code if exit_code else (0 if server.started else 1)
+    except Shutdown as e:
+        log.info("%s during startup: shutting down", e)
+        return 0
+    except RuntimeError as e:
+        log.error("startup failed: %s", e)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # teardown must not be interrupted
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if children is not None:
+            children.stop()
+        addrs.cleanup()
+
+
+def _hard_exit(children: Children, addrs: Addresses) -> None:
+    children.stop()
+    addrs.cleanup()
+    os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = ServerArgs.from_cli(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="[%(asctime)s api] %(levelname)s %(message)s")
+    setproctitle.setproctitle("zserve::api")
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    return serve(resolve_args(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""KV memory: a pool of token slots, the per-layer K/V buffers they index, and the
+request-to-slots table (SGLang's token_to_kv_pool and req_to_token).
+
+Invariant (TokenPool): every slot 1..size is in exactly one place: the free list or owned by
+one request. Slot 0 is never handed out; it is the padding slot that masked-out positions
+of the request table point at, so gathers never index out of range.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TokenPool:
+    """Allocator of KV slots. `can_allocate / allocate / free`; double frees are errors."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._free = list(range(size, 0, -1))     # pop() hands out low slots first
+        self._is_free = bytearray(size + 1)
+        for s in self._free:
+            self._is_free[s] = 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"KV pool exhausted: want {n} slots, {len(self._free)} free")
+        out = self._free[len(self._free) - n:]
+        del self._free[len(self._free) - n:]
+        for s in out:
+            self._is_free[s] = 0
+        return out
+
+    def free(self, slots: list[int]) -> None:
+        for s in slots:
+            if self._is_free[s]:
+                raise RuntimeError(f"double free of KV slot {s}")
+            self._is_free[s] = 1
+        self._free.extend(slots)
+
+
+class KVCache:
+    """Per-layer K and V buffers of shape [size + 1, num_kv_heads, head_dim] (row 0: padding)."""
+
+    def __init__(self, num_layers: int, size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (size + 1, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+class ReqToToken:
+    """Row r maps request r's positions to slots. Rows are handed out to running requests;
+    unused entries stay 0 (the padding slot)."""
+
+    def __init__(self, max_reqs: int, context_len: int, device: torch.device | str):
+        self.table = torch.zeros((max_reqs, context_len), dtype=torch.int64, device=device)
+        self._free_rows = list(range(max_reqs - 1, -1, -1))
+
+    def allocate(self) -> int:
+        return self._free_rows.pop()
+
+    def free(self, row: int) -> None:
+        self.table[row].zero_()
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: list[int]) -> None:
+        self.table[row, start:start + len(slots)] = torch.tensor(slots, dtype=torch.int64)

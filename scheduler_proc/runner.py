@@ -1,0 +1,109 @@
+"""ModelRunner: owns the model weights, the KV memory and one forward step.
+
+`forward(segments)` takes the step's segments (which request, which positions), runs one
+model call over the whole ragged batch, computes logits only for the rows that sample, and
+returns one sampled token id per sampling segment. It never decides what to run.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from scheduler_proc.attention import StepAttention
+from scheduler_proc.models import ModelConfig, load_model
+from scheduler_proc.pool import KVCache, ReqToToken, TokenPool
+from scheduler_proc.request import Req
+from scheduler_proc.sampler import SamplingBatch, sample
+from wire.server_args import ServerArgs
+
+log = logging.getLogger(__name__)
+
+CPU_KV_MEMORY_FRACTION = 0.1    # of total RAM, for the default --max-total-tokens on CPU
+CUDA_KV_MEMORY_FRACTION = 0.8   # of free GPU memory after the weights
+
+
+@dataclass(slots=True)
+class Segment:
+    """`length` tokens of `req`, from position req.num_computed (before this step's slots
+    were added: `start`). `sample` is true when the segment ends at the request's newest
+    token, so its last row is sampled."""
+
+    req: Req
+    start: int
+    length: int
+    sample: bool
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs):
+        self.device = torch.device(args.device)
+        self.dtype = resolve_dtype(args.dtype, args.device)
+        self.config = ModelConfig.from_dir(args.model_path)
+        self.context_len = args.context_length or self.config.max_position_embeddings
+        self.model = load_model(args.model_path, self.dtype, self.device)
+        c = self.config
+        self.pool_size = args.max_total_tokens or self._default_pool_size(args)
+        self.pool = TokenPool(self.pool_size)
+        self.cache = KVCache(c.num_layers, self.pool_size, c.num_kv_heads, c.head_dim,
+                             self.dtype, self.device)
+        self.req_to_token = ReqToToken(args.max_running_requests, self.context_len,
+                                       self.device)
+        torch.manual_seed(args.random_seed)
+        log.info("model %s (%s) on %s/%s, KV pool %d tokens", args.model_path, c.architecture,
+                 self.device, self.dtype, self.pool_size)
+
+    def _default_pool_size(self, args: ServerArgs) -> int:
+        c = self.config
+        per_token = KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim,
+                                            self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * CUDA_KV_MEMORY_FRACTION)
+        else:
+            budget = int(psutil.virtual_memory().total * CPU_KV_MEMORY_FRACTION)
+        # Never more than every running request at full context could use.
+        return max(1, min(budget // per_token, args.max_running_requests * self.context_len))
+
+    @torch.inference_mode()
+    def forward(self, segments: list[Segment]) -> list[int]:
+        """Run one step. Decode segments (length 1) must come first. Slots for this step's
+        tokens must already be in each req.slots / the request table."""
+        ids: list[int] = []
+        positions: list[int] = []
+        out_slots: list[int] = []
+        decode_rows, decode_lens, prefills = [], [], []
+        sample_rows: list[int] = []
+        for seg in segments:
+            req, end = seg.req, seg.start + seg.length
+            ids += req.token_ids(seg.start, end)
+            positions += range(seg.start, end)
+            out_slots += req.slots[seg.start:end]
+            if seg.length == 1:
+                decode_rows.append(req.row)
+                decode_lens.append(end)
+            else:
+                prefills.append((req.row, seg.start, seg.length))
+            if seg.sample:
+                sample_rows.append(len(ids) - 1)
+        attn = StepAttention.build(self.cache, self.req_to_token.table, out_slots, decode_rows,
+                                   decode_lens, prefills, self.device)
+        hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device),
+                            torch.tensor(positions, dtype=torch.int64, device=self.device),
+                            attn)
+        if not sample_rows:
+            return []
+        logits = self.model.compute_logits(hidden[sample_rows])
+        reqs = [s.req for s in segments if s.sample]
+        batch = SamplingBatch.from_params([r.sampling for r in reqs], logits.shape[-1],
+                                          self.device)
+        return sample(logits, batch, [r.generator for r in reqs]).tolist()

@@ -1,0 +1,1 @@
+"""The tokenizer worker: text -> token ids, prompt validation, rejects back to the API."""
