@@ -1,0 +1,103 @@
+"""Hugging Face transformers greedy decoding: the reference our model runner must match.
+
+`greedy_reference` runs a plain greedy loop over the KV cache (float32, eval, no_grad, eager
+attention, no EOS stop) and also returns each step's top-1 minus top-2 logit margin, so a
+test can tell a real mismatch from a near-tie that float rounding may legitimately flip.
+`assert_greedy_match` compares our ids with the reference up to its first near-tie.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+
+_MODELS: dict[str, object] = {}
+
+
+def _load(model_dir):
+    """The transformers model for model_dir, loaded once per process."""
+    key = str(pathlib.Path(model_dir).resolve())
+    if key not in _MODELS:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            key, dtype=torch.float32, attn_implementation="eager")
+        model.eval()
+        _MODELS[key] = model
+    return _MODELS[key]
+
+
+@torch.no_grad()
+def greedy_reference(model_dir, prompt_ids: list[int],
+                     max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy continuation of prompt_ids by transformers, and the margin of each choice.
+
+    Returns (ids, margins), both max_new_tokens long; margins[i] is top1 - top2 of the
+    logits that chose ids[i]. Does not stop at EOS."""
+    if not prompt_ids:
+        raise ValueError("prompt_ids must not be empty")
+    model = _load(model_dir)
+    # One intra-op thread: tiny matmuls gain nothing from more, and on a loaded machine
+    # (a test server running next to us) spinning OpenMP workers make each step ~30x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _greedy(model, prompt_ids, max_new_tokens)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _greedy(model, prompt_ids: list[int], max_new_tokens: int):
+    ids: list[int] = []
+    margins: list[float] = []
+    out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+    for step in range(max_new_tokens):
+        logits = out.logits[0, -1].float()
+        top2 = torch.topk(logits, 2).values
+        next_id = int(torch.argmax(logits))  # first index among exact ties, like a sampler
+        ids.append(next_id)
+        margins.append(float(top2[0] - top2[1]))
+        if step + 1 < max_new_tokens:
+            # transformers 5.x calls past_key_values "cache" (argument and output field).
+            out = model(input_ids=torch.tensor([[next_id]]), cache=out.cache, use_cache=True)
+    return ids, margins
+
+
+def first_near_tie(margins: list[float], tie_tol: float = 1e-3) -> int | None:
+    """Index of the first step whose top-1 / top-2 margin is below tie_tol, or None."""
+    return next((i for i, m in enumerate(margins) if m < tie_tol), None)
+
+
+def assert_greedy_match(ours: list[int], ref_ids: list[int], ref_margins: list[float],
+                        tie_tol: float = 1e-3) -> None:
+    """Assert our greedy ids equal the reference's, where the reference is decisive.
+
+    If the reference has a near-tie (margin < tie_tol) at step k, its choice there could
+    flip under harmless float differences and everything after may diverge, so only
+    ours[:k] is compared (ours must be at least k long). Otherwise ours must equal ref_ids
+    exactly, same length."""
+    ours, ref_ids = list(ours), list(ref_ids)
+    tie = first_near_tie(ref_margins, tie_tol)
+    if tie is None:
+        expected, got = ref_ids, ours
+        if len(ours) != len(ref_ids):
+            raise AssertionError(
+                f"greedy length mismatch: ours has {len(ours)} tokens, reference "
+                f"{len(ref_ids)} (no near-tie in the reference)\n"
+                f"  ours: {ours}\n  ref:  {ref_ids}")
+    else:
+        expected, got = ref_ids[:tie], ours[:tie]
+        if len(ours) < tie:
+            raise AssertionError(
+                f"ours stopped after {len(ours)} tokens; the reference is decisive for "
+                f"{tie} (near-tie at step {tie}, margin {ref_margins[tie]:.2e})\n"
+                f"  ours: {ours}\n  ref:  {ref_ids}")
+    if got != expected:
+        i = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
+        lo = max(0, i - 4)
+        raise AssertionError(
+            f"greedy mismatch at step {i}: ours {got[i]}, reference {expected[i]} "
+            f"(reference margin there {ref_margins[i]:.3g}; compared {len(expected)} steps"
+            + (f", first near-tie at step {tie}" if tie is not None else "") + ")\n"
+            f"  ours[{lo}:{i + 4}]: {got[lo:i + 4]}\n  ref[{lo}:{i + 4}]:  {expected[lo:i + 4]}")
