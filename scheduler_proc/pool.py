@@ -38,9 +38,16 @@ class TokenPool:
         return out
 
     def free(self, slots: list[int]) -> None:
+        """Return owned slots. Checks everything before changing anything, so a bad call
+        (a free slot, a repeat, slot 0, out of range) raises and leaves the pool intact."""
+        if len(set(slots)) != len(slots):
+            raise RuntimeError(f"slot freed twice in one call: {slots}")
         for s in slots:
+            if not 0 < s <= self.size:
+                raise RuntimeError(f"KV slot {s} is not in the pool [1, {self.size}]")
             if self._is_free[s]:
                 raise RuntimeError(f"double free of KV slot {s}")
+        for s in slots:
             self._is_free[s] = 1
         self._free.extend(slots)
 
@@ -69,9 +76,13 @@ class ReqToToken:
         self._free_rows = list(range(max_reqs - 1, -1, -1))
 
     def allocate(self) -> int:
+        if not self._free_rows:
+            raise MemoryError("no free row in the request-to-token table")
         return self._free_rows.pop()
 
     def free(self, row: int) -> None:
+        if row in self._free_rows:
+            raise RuntimeError(f"double free of request row {row}")
         self.table[row].zero_()
         self._free_rows.append(row)
 

@@ -1,0 +1,252 @@
+"""Unit tests for api_proc/native.py parse_generate: the /generate body at the boundary
+(DESIGN.md section 2, SGLang's GenerateReqInput normalization)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from api_proc.native import BadRequest, parse_generate
+from wire.messages import GenerateRequest
+from wire.sampling import SamplingParams
+
+EITHER = "Either text or input_ids should be provided."
+HEX32 = re.compile(r"[0-9a-f]{32}")
+
+
+def _bad(body, match: str | None = None) -> BadRequest:
+    with pytest.raises(BadRequest) as info:
+        parse_generate(body)
+    assert info.value.status == 400
+    if match is not None:
+        assert match in str(info.value), str(info.value)
+    return info.value
+
+
+# ---- text vs input_ids -------------------------------------------------------------------
+
+@pytest.mark.parametrize("body", [
+    {}, {"text": None}, {"input_ids": None}, {"text": None, "input_ids": None},
+    {"text": "a", "input_ids": [1]}, {"text": ["a"], "input_ids": [[1]]},
+    {"text": "", "input_ids": []}, {"sampling_params": {}},
+])
+def test_exactly_one_of_text_or_input_ids(body):
+    err = _bad(body)
+    assert str(err) == EITHER
+
+
+def test_single_text():
+    p = parse_generate({"text": "hello 你好"})
+    assert not p.is_batch and not p.stream and len(p.requests) == 1
+    (r,) = p.requests
+    assert type(r) is GenerateRequest
+    assert r.text == "hello 你好" and r.input_ids is None
+    assert r.sampling == SamplingParams() and r.stream is False
+
+
+def test_single_input_ids():
+    p = parse_generate({"input_ids": [1, 2, 3], "text": None})
+    assert not p.is_batch and len(p.requests) == 1
+    (r,) = p.requests
+    assert r.input_ids == [1, 2, 3] and r.text is None
+
+
+def test_batch_text_keeps_order():
+    p = parse_generate({"text": ["a", "b", "c"]})
+    assert p.is_batch
+    assert [r.text for r in p.requests] == ["a", "b", "c"]
+    assert all(r.input_ids is None for r in p.requests)
+
+
+def test_batch_input_ids_keeps_order():
+    p = parse_generate({"input_ids": [[1], [2, 3]]})
+    assert p.is_batch
+    assert [r.input_ids for r in p.requests] == [[1], [2, 3]]
+    assert all(r.text is None for r in p.requests)
+
+
+def test_batch_of_one_is_still_a_batch():
+    assert parse_generate({"text": ["a"]}).is_batch
+    assert parse_generate({"input_ids": [[1]]}).is_batch
+
+
+@pytest.mark.parametrize("text", [5, 1.5, True, [], ["a", 1], ["a", None], [["a"]],
+                                  {"a": 1}, [b"a"]])
+def test_wrong_text_types(text):
+    _bad({"text": text}, "text must be a string or a non-empty list of strings.")
+
+
+@pytest.mark.parametrize("ids", [
+    [], [[]], [[1], []], [True], [1, True], [[1, False]], [False], [1.0], [1, 2.5],
+    ["1"], [1, [2]], [[1], 2], [[[1]]], 5, "1 2", {"0": 1}, [None], [[None]],
+])
+def test_wrong_input_ids_types(ids):
+    _bad({"input_ids": ids}, "input_ids must be a non-empty list of integers")
+
+
+@pytest.mark.parametrize("body", [None, [], "text", 5, [{"text": "a"}]])
+def test_body_must_be_an_object(body):
+    _bad(body, "The request body must be a JSON object.")
+
+
+# ---- top-level keys ----------------------------------------------------------------------
+
+def test_unknown_top_level_key():
+    err = _bad({"text": "a", "max_tokens": 5})
+    assert str(err) == "Unknown field(s) in the request: max_tokens."
+    err = _bad({"text": "a", "zeta": 1, "alpha": 2})
+    assert str(err) == "Unknown field(s) in the request: alpha, zeta."
+
+
+@pytest.mark.parametrize("stream", [1, 0, "true", None, [], {}])
+def test_stream_must_be_bool(stream):
+    _bad({"text": "a", "stream": stream}, "stream must be a boolean.")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_stream_is_carried_to_every_request(stream):
+    p = parse_generate({"text": ["a", "b"], "stream": stream,
+                        "sampling_params": {"n": 2}})
+    assert p.stream is stream
+    assert [r.stream for r in p.requests] == [stream] * 4
+
+
+@pytest.mark.parametrize("key, value", [
+    ("return_logprob", True), ("top_logprobs_num", 5), ("logprob_start_len", 3),
+    ("return_logprob", [True]),
+])
+def test_logprobs_are_rejected_as_not_supported_yet(key, value):
+    err = _bad({"text": "a", key: value})
+    assert str(err) == f"{key} is not supported yet."
+
+
+@pytest.mark.parametrize("key, value", [
+    ("return_logprob", False), ("return_logprob", None), ("top_logprobs_num", 0),
+    ("logprob_start_len", -1),
+])
+def test_logprob_defaults_are_accepted(key, value):
+    assert len(parse_generate({"text": "a", key: value}).requests) == 1
+
+
+# ---- sampling_params ---------------------------------------------------------------------
+
+def test_sampling_params_dict_applies_to_all():
+    p = parse_generate({"text": ["a", "b"], "sampling_params": {"max_new_tokens": 3,
+                                                                "temperature": 0}})
+    for r in p.requests:
+        assert r.sampling.max_new_tokens == 3 and r.sampling.is_greedy
+
+
+def test_sampling_params_list_is_per_prompt():
+    p = parse_generate({"input_ids": [[1], [2]], "sampling_params": [
+        {"max_new_tokens": 1}, {"max_new_tokens": 2, "stop": "x"}]})
+    assert [r.sampling.max_new_tokens for r in p.requests] == [1, 2]
+    assert [r.sampling.stop for r in p.requests] == [[], ["x"]]
+
+
+@pytest.mark.parametrize("body", [
+    {"text": ["a", "b"], "sampling_params": [{}]},
+    {"text": ["a", "b"], "sampling_params": [{}, {}, {}]},
+    {"text": ["a", "b"], "sampling_params": []},
+    {"input_ids": [[1], [2]], "sampling_params": [{}]},
+    {"text": "a", "sampling_params": [{}, {}]},
+])
+def test_sampling_params_list_length_mismatch(body):
+    _bad(body, "sampling_params is a list of")
+
+
+def test_unknown_sampling_key():
+    err = _bad({"text": "a", "sampling_params": {"max_tokens": 3}})
+    assert str(err) == "Unknown sampling parameter 'max_tokens'."
+    err = _bad({"text": ["a", "b"], "sampling_params": [{}, {"bogus": 1}]})
+    assert str(err) == "Unknown sampling parameter 'bogus'."
+
+
+def test_sampling_range_errors_are_bad_requests():
+    err = _bad({"text": "a", "sampling_params": {"top_p": 1.5}})
+    assert str(err) == "top_p must be in (0, 1], got 1.5."
+    _bad({"text": "a", "sampling_params": "greedy"}, "sampling_params must be an object")
+    _bad({"text": "a", "sampling_params": {"n": 0}}, "n must be at least 1")
+
+
+# ---- rid ---------------------------------------------------------------------------------
+
+def test_default_rids_are_distinct_uuid_hex():
+    p = parse_generate({"text": ["a", "b", "c"], "sampling_params": {"n": 2}})
+    rids = [r.rid for r in p.requests]
+    assert len(rids) == 6 and len(set(rids)) == 6
+    assert all(HEX32.fullmatch(rid) for rid in rids)
+    other = parse_generate({"text": "a"}).requests[0].rid
+    assert HEX32.fullmatch(other) and other not in rids
+
+
+def test_str_rid_on_single_prompt_is_kept():
+    assert [r.rid for r in parse_generate({"text": "a", "rid": "my-id"}).requests] == ["my-id"]
+
+
+def test_str_rid_on_batch_gets_index():
+    p = parse_generate({"text": ["a", "b", "c"], "rid": "x"})
+    assert [r.rid for r in p.requests] == ["x_0", "x_1", "x_2"]
+    p = parse_generate({"text": ["a"], "rid": "x"})
+    assert [r.rid for r in p.requests] == ["x_0"]
+
+
+def test_str_rid_with_n_gets_index():
+    p = parse_generate({"text": "a", "rid": "x", "sampling_params": {"n": 3}})
+    assert [r.rid for r in p.requests] == ["x_0", "x_1", "x_2"]
+
+
+def test_list_rid_is_per_prompt():
+    p = parse_generate({"text": ["a", "b"], "rid": ["ra", "rb"]})
+    assert [(r.rid, r.text) for r in p.requests] == [("ra", "a"), ("rb", "b")]
+
+
+def test_list_rid_with_n_gets_per_sample_suffix():
+    p = parse_generate({"text": ["a", "b"], "rid": ["ra", "rb"],
+                        "sampling_params": [{"n": 2}, {"n": 1}]})
+    assert [(r.rid, r.text) for r in p.requests] == [("ra_0", "a"), ("ra_1", "a"),
+                                                     ("rb", "b")]
+    p = parse_generate({"text": ["a", "b"], "rid": ["ra", "rb"], "sampling_params": {"n": 2}})
+    assert [r.rid for r in p.requests] == ["ra_0", "ra_1", "rb_0", "rb_1"]
+
+
+@pytest.mark.parametrize("body", [
+    {"text": ["a", "b"], "rid": ["only-one"]},
+    {"text": ["a", "b"], "rid": ["a", "b", "c"]},
+    {"text": ["a", "b"], "rid": ["a", 2]},
+    {"text": "a", "rid": 5},
+    {"text": "a", "rid": {"x": 1}},
+    {"text": "a", "rid": ["a", "b"]},
+])
+def test_bad_rid(body):
+    _bad(body, "rid must be a string or a list of strings, one per prompt.")
+
+
+# ---- n > 1 -------------------------------------------------------------------------------
+
+def test_n_expands_prompt_major_with_n_reset_to_one():
+    p = parse_generate({"text": ["p0", "p1"], "sampling_params": {"n": 3, "max_new_tokens": 4}})
+    assert p.is_batch
+    assert [r.text for r in p.requests] == ["p0"] * 3 + ["p1"] * 3
+    for r in p.requests:
+        assert r.sampling.n == 1 and r.sampling.max_new_tokens == 4
+
+
+def test_n_per_prompt_from_a_list():
+    p = parse_generate({"input_ids": [[1], [2], [3]], "sampling_params": [
+        {"n": 2}, {"n": 1}, {"n": 3, "temperature": 0.5}]})
+    assert [r.input_ids for r in p.requests] == [[1], [1], [2], [3], [3], [3]]
+    assert all(r.sampling.n == 1 for r in p.requests)
+    assert [r.sampling.temperature for r in p.requests] == [1.0, 1.0, 1.0, 0.5, 0.5, 0.5]
+
+
+def test_single_prompt_with_n_is_a_batch_response():
+    p = parse_generate({"text": "a", "sampling_params": {"n": 2}})
+    assert p.is_batch and len(p.requests) == 2
+    assert all(r.text == "a" and r.sampling.n == 1 for r in p.requests)
+
+
+def test_n_one_single_is_not_a_batch():
+    p = parse_generate({"text": "a", "sampling_params": {"n": 1}})
+    assert not p.is_batch and len(p.requests) == 1

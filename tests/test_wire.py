@@ -1,0 +1,442 @@
+"""Unit tests for the wire contract: wire/codec.py, wire/messages.py, wire/sampling.py.
+
+Every message type round-trips to an equal dataclass; anything that is not a valid frame
+raises DecodeError and nothing else (DESIGN.md section 1: never a crash)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import msgpack
+import pytest
+
+from wire import messages as m
+from wire.codec import TAGS, DecodeError, decode, encode
+from wire.sampling import SamplingParams
+
+FULL_SAMPLING = SamplingParams(
+    max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05,
+    frequency_penalty=-1.5, presence_penalty=2.0, repetition_penalty=1.2, min_new_tokens=3,
+    stop=["\n", "END", "停止", "🛑"], stop_token_ids=[2, 0, 128001], ignore_eos=True,
+    skip_special_tokens=False, spaces_between_special_tokens=False, no_stop_trim=True, n=3,
+    sampling_seed=2**63 - 1, logit_bias={"11": 5.0, "0": -1.5})
+
+UNICODE = "héllo 你好 😀🎉 👍🏽 \x00 tab\t newline\n 𝄞"
+
+LOAD = m.SchedulerLoad(running=3, queued=4, kv_total=1000, kv_free=500, kv_evictable=25,
+                       prompt_tokens_total=12345, generated_tokens_total=2**40)
+
+
+def _token_output(**kw) -> m.TokenOutput:
+    base = dict(rid="r", new_ids=[5], finish=None, prompt_tokens=3, cached_tokens=0,
+                queue_time=None, decode=None)
+    base.update(kw)
+    return m.TokenOutput(**base)
+
+
+# One list per message type: defaults, None vs set optionals, nested types, empty lists.
+SAMPLES: dict[type, list] = {
+    m.GenerateRequest: [
+        m.GenerateRequest(rid="a", text="hi", input_ids=None, sampling=SamplingParams()),
+        m.GenerateRequest(rid=UNICODE, text=UNICODE, input_ids=None, sampling=FULL_SAMPLING,
+                          stream=True),
+        m.GenerateRequest(rid="b", text=None, input_ids=[1, 2, 3], sampling=SamplingParams()),
+        m.GenerateRequest(rid="", text="", input_ids=[], sampling=SamplingParams(
+            sampling_seed=-(2**63), logit_bias={})),
+    ],
+    m.AbortRequest: [
+        m.AbortRequest(rid="x"),
+        m.AbortRequest(rid="", abort_all=True, message="bye ✋"),
+    ],
+    m.TokenizedRequest: [
+        m.TokenizedRequest(rid="t", input_ids=[0, 1, 2**31], sampling=FULL_SAMPLING,
+                           stream=True),
+        m.TokenizedRequest(rid="t2", input_ids=[], sampling=SamplingParams()),
+    ],
+    m.ReleaseRequest: [
+        m.ReleaseRequest(rids=[]),
+        m.ReleaseRequest(rids=["a", UNICODE, ""]),
+    ],
+    m.TokenBatch: [
+        m.TokenBatch(outputs=[], load=m.SchedulerLoad()),
+        m.TokenBatch(outputs=[
+            _token_output(),
+            _token_output(rid="len", new_ids=[], finish=m.FinishReason("length", length=7),
+                          queue_time=0.25, decode=m.DecodeParams()),
+            _token_output(rid="eos", finish=m.FinishReason("stop", matched_token=2),
+                          cached_tokens=2, queue_time=0.0,
+                          decode=m.DecodeParams(skip_special_tokens=False,
+                                                spaces_between_special_tokens=False,
+                                                stop=["a", UNICODE], no_stop_trim=True)),
+            _token_output(rid="str", finish=m.FinishReason("stop", matched_str="###")),
+            _token_output(rid="ab", finish=m.FinishReason("abort", message=UNICODE,
+                                                          status_code=400)),
+            _token_output(rid="ab2", finish=m.FinishReason("abort", message="gone")),
+        ], load=LOAD),
+    ],
+    m.TextBatch: [
+        m.TextBatch(outputs=[]),
+        m.TextBatch(outputs=[
+            m.TextOutput(rid="a", text="", new_ids=[], finish=None),
+            m.TextOutput(rid="b", text=UNICODE, new_ids=[1, 2], finish=m.FinishReason(
+                "stop", matched_str="\n"), prompt_tokens=4, completion_tokens=9,
+                cached_tokens=2, queue_time=1.5),
+            m.TextOutput(rid="c", text="x", new_ids=[3], finish=m.FinishReason(
+                "abort", message="too long", status_code=400)),
+        ], load=LOAD),
+        m.TextBatch(outputs=[], load=m.SchedulerLoad()),
+    ],
+}
+
+ALL_SAMPLES = [msg for msgs in SAMPLES.values() for msg in msgs]
+VALID_FRAMES = [encode(msg) for msg in ALL_SAMPLES]
+
+
+def _frame(tag, fields) -> bytes:
+    return msgpack.packb([tag, fields], use_bin_type=True)
+
+
+def _fields(msg) -> list:
+    """The plain field array of a message, as the codec puts it on the wire."""
+    return msgpack.unpackb(encode(msg), raw=False)[1]
+
+
+def _decode_error(frame: bytes) -> DecodeError:
+    with pytest.raises(DecodeError) as info:
+        decode(frame)
+    assert type(info.value) is DecodeError
+    return info.value
+
+
+# ---- round trips -------------------------------------------------------------------------
+
+def test_samples_cover_every_tagged_message():
+    assert set(SAMPLES) == set(TAGS)
+
+
+def test_tags_are_pinned_and_unique():
+    # Tags are part of the protocol: append, never renumber.
+    assert {cls.__name__: tag for cls, tag in TAGS.items()} == {
+        "GenerateRequest": 1, "AbortRequest": 2, "TokenizedRequest": 3, "ReleaseRequest": 4,
+        "TokenBatch": 5, "TextBatch": 6}
+
+
+@pytest.mark.parametrize("msg", ALL_SAMPLES, ids=lambda msg: type(msg).__name__)
+def test_round_trip_is_equal(msg):
+    frame = encode(msg)
+    assert isinstance(frame, bytes)
+    tag, fields = msgpack.unpackb(frame, raw=False)
+    assert tag == TAGS[type(msg)]
+    assert type(fields) is list and len(fields) == len(dataclasses.fields(msg))
+    out = decode(frame)
+    assert type(out) is type(msg)
+    assert out == msg
+    assert encode(out) == frame
+
+
+def test_round_trip_keeps_nested_types_and_optionals():
+    batch = decode(encode(SAMPLES[m.TokenBatch][1]))
+    first, length, eos, stop_str, abort, abort2 = batch.outputs
+    assert first.finish is None and first.decode is None and first.queue_time is None
+    assert type(length.finish) is m.FinishReason and length.finish.length == 7
+    assert length.finish.matched_token is None and length.finish.status_code is None
+    assert type(length.decode) is m.DecodeParams and length.decode == m.DecodeParams()
+    assert eos.finish.matched_token == 2 and eos.finish.matched_str is None
+    assert eos.decode.stop == ["a", UNICODE] and eos.decode.no_stop_trim is True
+    assert type(eos.queue_time) is float and eos.queue_time == 0.0
+    assert stop_str.finish.matched_str == "###"
+    assert abort.finish.status_code == 400 and abort.finish.message == UNICODE
+    assert abort2.finish.status_code is None
+    assert type(batch.load) is m.SchedulerLoad and batch.load == LOAD
+
+    req = decode(encode(SAMPLES[m.GenerateRequest][1]))
+    assert type(req.sampling) is SamplingParams and req.sampling == FULL_SAMPLING
+    assert req.input_ids is None and req.text == UNICODE
+    assert req.sampling.logit_bias == {"11": 5.0, "0": -1.5}
+    assert req.sampling.sampling_seed == 2**63 - 1
+
+    text = decode(encode(SAMPLES[m.TextBatch][0]))
+    assert text.load is None and text.outputs == []
+
+
+def test_decoded_lists_are_fresh_objects():
+    msg = m.ReleaseRequest(rids=["a"])
+    out = decode(encode(msg))
+    out.rids.append("b")
+    assert msg.rids == ["a"]
+
+
+def test_int_is_accepted_for_a_float_field_and_becomes_float():
+    fields = _fields(SAMPLES[m.TextBatch][1])
+    fields[0][1][7] = 3                     # TextOutput.queue_time: float | None
+    sampling = _fields(SAMPLES[m.GenerateRequest][0])
+    sampling[3][1] = 0                      # SamplingParams.temperature
+    sampling[3][17] = {"5": 2}              # logit_bias values: float
+    out = decode(_frame(TAGS[m.TextBatch], fields))
+    assert type(out.outputs[1].queue_time) is float and out.outputs[1].queue_time == 3.0
+    req = decode(_frame(TAGS[m.GenerateRequest], sampling))
+    assert type(req.sampling.temperature) is float and req.sampling.temperature == 0.0
+    assert type(req.sampling.logit_bias["5"]) is float and req.sampling.logit_bias == {"5": 2.0}
+    assert req.sampling.is_greedy
+
+
+@pytest.mark.parametrize("not_a_message", [
+    {"rid": "a"}, ["a"], None, 5, "GenerateRequest", b"\x93\x01",
+    SamplingParams(), m.FinishReason("length", length=1), m.SchedulerLoad(),
+    m.DecodeParams(), m.TextOutput(rid="a", text="", new_ids=[], finish=None),
+])
+def test_encode_refuses_a_non_message(not_a_message):
+    with pytest.raises(TypeError, match="not a wire message"):
+        encode(not_a_message)
+
+
+def test_encode_refuses_a_subclass_of_a_message():
+    @dataclasses.dataclass(slots=True)
+    class Sneaky(m.AbortRequest):
+        pass
+
+    with pytest.raises(TypeError):
+        encode(Sneaky(rid="a"))
+
+
+# ---- decode errors -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("frame", [
+    b"", b"\xc1", b"\x92", b"\x92\x01", b"\xd9\x05ab", b"\xa2\xff\xfe",
+    msgpack.packb([1, ["a"]]) + b"\x00",          # trailing data
+    _frame(2, [b"\xff\xfe", False, "m"]),          # bin where str expected
+], ids=["empty", "reserved-byte", "short-array", "truncated", "truncated-str", "bad-utf8",
+        "trailing", "bin-for-str"])
+def test_bad_bytes_raise_decode_error(frame):
+    _decode_error(frame)
+
+
+@pytest.mark.parametrize("obj", [
+    5, "x", None, {}, {"1": []}, [], [1], [1, [], 3], ["1", _fields(m.AbortRequest("a"))],
+    [1.0, _fields(m.AbortRequest("a"))], [True, _fields(m.AbortRequest("a"))],
+    [None, []],
+])
+def test_frame_that_is_not_tag_and_fields(obj):
+    _decode_error(msgpack.packb(obj, use_bin_type=True))
+
+
+@pytest.mark.parametrize("tag", [0, 7, 99, -1, 2**63])
+def test_unknown_tag(tag):
+    err = _decode_error(_frame(tag, _fields(m.AbortRequest("a"))))
+    assert "unknown message tag" in str(err)
+
+
+@pytest.mark.parametrize("msg", ALL_SAMPLES[::2], ids=lambda msg: type(msg).__name__)
+def test_wrong_number_of_fields(msg):
+    fields = _fields(msg)
+    tag = TAGS[type(msg)]
+    _decode_error(_frame(tag, fields[:-1]))
+    _decode_error(_frame(tag, fields + [None]))
+    _decode_error(_frame(tag, []))
+
+
+def test_fields_must_be_an_array_not_a_map():
+    _decode_error(_frame(TAGS[m.AbortRequest], {"rid": "a", "abort_all": False,
+                                                  "message": "m"}))
+
+
+def test_wrong_scalar_types():
+    tok = _fields(SAMPLES[m.TokenizedRequest][0])      # [rid, input_ids, sampling, stream]
+    tag = TAGS[m.TokenizedRequest]
+    cases = {
+        "str for int": (1, ["1", 2]),
+        "True for int": (1, [True, 2]),
+        "float for int": (1, [1.0, 2]),
+        "int for str": (0, 5),
+        "None for str": (0, None),
+        "int for bool": (3, 1),
+        "None for bool": (3, None),
+        "str for list": (1, "abc"),
+        "int for list": (1, 7),
+        "map for list": (1, {"0": 1}),
+        "None for list": (1, None),
+        "list for nested dataclass": (2, []),
+        "str for nested dataclass": (2, "sampling"),
+    }
+    for name, (index, value) in cases.items():
+        bad = list(tok)
+        bad[index] = value
+        err = _decode_error(_frame(tag, bad))
+        assert "TokenizedRequest" in str(err), name
+
+
+def test_wrong_types_inside_nested_sampling_params():
+    tag = TAGS[m.TokenizedRequest]
+    for index, value in [(0, True), (0, 1.5), (0, "7"), (1, "0.5"), (1, True), (1, None),
+                         (3, 2.0), (9, "stop"), (9, [1]), (10, [True]), (11, 0),
+                         (16, 1.0), (16, True), (17, []), (17, {"1": "x"}), (17, {"1": True})]:
+        fields = _fields(SAMPLES[m.TokenizedRequest][1])
+        fields[2][index] = value
+        err = _decode_error(_frame(tag, fields))
+        assert "sampling" in str(err), (index, value)
+
+
+def test_true_and_float_are_rejected_for_optional_ints():
+    load_fields = _fields(SAMPLES[m.TokenBatch][1])
+    tag = TAGS[m.TokenBatch]
+    for value in (True, False, 1.0, "1"):
+        bad = [list(load_fields[0]), list(load_fields[1])]
+        out = list(bad[0][1])                       # the "len" TokenOutput
+        finish = list(out[2])
+        finish[1] = value                           # FinishReason.length: int | None
+        out[2] = finish
+        bad[0][1] = out
+        _decode_error(_frame(tag, bad))
+    for value in (True, 1.0):
+        bad = list(load_fields)
+        bad[1] = list(bad[1])
+        bad[1][0] = value                           # SchedulerLoad.running: int
+        _decode_error(_frame(tag, bad))
+
+
+def test_bool_is_not_accepted_for_float():
+    fields = _fields(SAMPLES[m.TextBatch][1])
+    fields[0][1][7] = True                          # queue_time: float | None
+    _decode_error(_frame(TAGS[m.TextBatch], fields))
+
+
+def test_dict_with_non_str_keys():
+    fields = _fields(SAMPLES[m.GenerateRequest][0])
+    fields[3][17] = {1: 2.0}                        # int key: msgpack's strict_map_key rejects
+    _decode_error(_frame(TAGS[m.GenerateRequest], fields))
+    fields[3][17] = {b"1": 2.0}                     # bin key: the codec's own check rejects
+    _decode_error(_frame(TAGS[m.GenerateRequest], fields))
+    fields[3][17] = [["1", 2.0]]                    # array where a map is expected
+    _decode_error(_frame(TAGS[m.GenerateRequest], fields))
+
+
+def test_nested_dataclass_with_wrong_arity():
+    gen = _fields(SAMPLES[m.GenerateRequest][0])
+    for sampling in (gen[3][:-1], gen[3] + [None], []):
+        bad = list(gen)
+        bad[3] = sampling
+        _decode_error(_frame(TAGS[m.GenerateRequest], bad))
+
+    batch = _fields(SAMPLES[m.TokenBatch][1])
+    for path in ("finish", "decode", "load", "output"):
+        bad = msgpack.unpackb(msgpack.packb(batch), raw=False)     # deep copy
+        if path == "finish":
+            bad[0][1][2] = bad[0][1][2][:3]
+        elif path == "decode":
+            bad[0][1][6] = bad[0][1][6] + [False]
+        elif path == "load":
+            bad[1] = bad[1][:-1]
+        else:
+            bad[0][0] = bad[0][0][:-1]
+        _decode_error(_frame(TAGS[m.TokenBatch], bad))
+
+
+def test_decode_error_names_the_path():
+    fields = _fields(SAMPLES[m.TokenBatch][1])
+    fields[0][1][1] = [1, "x"]                      # outputs[1].new_ids[1]
+    err = _decode_error(_frame(TAGS[m.TokenBatch], fields))
+    assert "TokenBatch.outputs[1].new_ids[1]" in str(err)
+
+
+def test_decode_error_is_a_value_error():
+    assert issubclass(DecodeError, ValueError)
+
+
+# ---- fuzz --------------------------------------------------------------------------------
+
+def _decode_or_decode_error(frame: bytes) -> None:
+    try:
+        msg = decode(frame)
+    except DecodeError:
+        return
+    except Exception as e:  # noqa: BLE001 - the point of the test
+        pytest.fail(f"decode({frame!r}) raised {type(e).__name__}: {e}")
+    assert type(msg) in TAGS
+    assert decode(encode(msg)) == msg or _has_nan(msg)
+
+
+def _has_nan(msg) -> bool:
+    def walk(v):
+        if isinstance(v, float):
+            return v != v
+        if dataclasses.is_dataclass(v):
+            return any(walk(getattr(v, f.name)) for f in dataclasses.fields(v))
+        if isinstance(v, list):
+            return any(walk(x) for x in v)
+        if isinstance(v, dict):
+            return any(walk(x) for x in v.values())
+        return False
+    return walk(msg)
+
+
+def test_fuzz_random_bytes():
+    rng = random.Random(1234)
+    for _ in range(2000):
+        n = rng.randrange(0, 64)
+        prefix = bytes([rng.choice([0x92, 0x93, 0x91, 0xdc, 0xde])]) if rng.random() < 0.5 else b""
+        _decode_or_decode_error(prefix + rng.randbytes(n))
+
+
+def test_fuzz_mutated_valid_frames():
+    rng = random.Random(5678)
+    for i in range(2000):
+        frame = bytearray(VALID_FRAMES[i % len(VALID_FRAMES)])
+        op = rng.randrange(4)
+        if op == 0:                                   # flip a few bytes
+            for _ in range(rng.randrange(1, 4)):
+                frame[rng.randrange(len(frame))] = rng.randrange(256)
+        elif op == 1:                                 # truncate
+            del frame[rng.randrange(len(frame)):]
+        elif op == 2:                                 # insert random bytes
+            at = rng.randrange(len(frame) + 1)
+            frame[at:at] = rng.randbytes(rng.randrange(1, 6))
+        else:                                         # delete a span
+            at = rng.randrange(len(frame))
+            del frame[at:at + rng.randrange(1, 6)]
+        _decode_or_decode_error(bytes(frame))
+
+
+def test_fuzz_well_formed_msgpack_with_wrong_shapes():
+    """Structurally valid msgpack, random values swapped into valid field arrays."""
+    rng = random.Random(91011)
+    junk = [None, True, False, 0, -1, 2**63, 1.5, float("nan"), "", "s", b"b", [], [1],
+            ["s"], {}, {"k": 1}, {"k": "v"}, [[]], [None] * 7, msgpack.ExtType(5, b"x")]
+
+    def mutate(v, depth=0):
+        if isinstance(v, list) and v and rng.random() < 0.7:
+            v = list(v)
+            i = rng.randrange(len(v))
+            v[i] = mutate(v[i], depth + 1)
+            return v
+        return rng.choice(junk)
+
+    for i in range(1000):
+        msg = ALL_SAMPLES[i % len(ALL_SAMPLES)]
+        frame = _frame(TAGS[type(msg)], mutate(_fields(msg)))
+        _decode_or_decode_error(frame)
+
+
+# ---- FinishReason.to_json ----------------------------------------------------------------
+
+def test_finish_reason_to_json_shapes():
+    assert m.FinishReason("length", length=16).to_json() == {"type": "length", "length": 16}
+    assert m.FinishReason("stop", matched_token=2).to_json() == {"type": "stop", "matched": 2}
+    assert m.FinishReason("stop", matched_token=0).to_json() == {"type": "stop", "matched": 0}
+    assert m.FinishReason("stop", matched_str="###").to_json() == {"type": "stop",
+                                                                   "matched": "###"}
+    # A stop string that matched wins over a token id, as in SGLang's FINISH_MATCHED_STR.
+    assert m.FinishReason("stop", matched_token=5, matched_str="\n").to_json() == {
+        "type": "stop", "matched": "\n"}
+    assert m.FinishReason("abort", message="gone").to_json() == {"type": "abort",
+                                                                 "message": "gone"}
+    assert m.FinishReason("abort", message="too long", status_code=400).to_json() == {
+        "type": "abort", "message": "too long", "status_code": 400}
+
+
+def test_finish_reason_to_json_survives_the_wire():
+    for reason in (m.FinishReason("length", length=3), m.FinishReason("stop", matched_str="é"),
+                   m.FinishReason("abort", message="x", status_code=503)):
+        batch = m.TextBatch(outputs=[m.TextOutput(rid="r", text="", new_ids=[],
+                                                  finish=reason)])
+        assert decode(encode(batch)).outputs[0].finish.to_json() == reason.to_json()
