@@ -1,0 +1,34 @@
+"""Shared fixtures: tiny checkpoints (built once per session) and launched servers."""
+
+from __future__ import annotations
+
+import pytest
+
+from checkpoints.tiny import ensure_checkpoint
+from tests.server import Server
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def checkpoint_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(checkpoint_root):
+    """tiny_model(family) -> path of that family's tiny checkpoint."""
+    return lambda family: ensure_checkpoint(family, root=checkpoint_root)
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """launch(model_path, *flags) -> a running Server, stopped after the test."""
+    servers: list[Server] = []
+
+    def start(model_path, *flags) -> Server:
+        servers.append(Server(model_path, *flags, tmpdir=tmp_path))
+        return servers[-1]
+    yield start
+    for s in servers:
+        s.terminate()

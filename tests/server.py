@@ -1,0 +1,122 @@
+"""A real zserve server for end-to-end tests: launch.py as a subprocess on a free port.
+
+Nothing is mocked: tests talk HTTP to it and signal its processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+STARTUP_TIMEOUT = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model_path: str | Path, *extra: str, tmpdir: str | Path | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model_path = str(model_path)
+        env = dict(os.environ)
+        if tmpdir is not None:                  # where the server's ipc directory goes
+            env["TMPDIR"] = str(tmpdir)
+        self.log_path = Path(tmpdir or "/tmp") / f"zserve-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "launch.py"), "--model-path", self.model_path,
+             "--port", str(self.port), "--log-level", "warning", *extra],
+            cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.client = httpx.Client(base_url=self.url, timeout=120.0)
+        self._wait_healthy()
+        self.children = psutil.Process(self.proc.pid).children(recursive=True)
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.kill()
+        raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT}s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text()
+
+    def child(self, title: str) -> psutil.Process:
+        """A child process by its title, e.g. 'scheduler'."""
+        for p in self.children:
+            if p.cmdline() and p.cmdline()[0] == f"zserve::{title}":
+                return p
+        raise LookupError(f"no zserve::{title} among {[p.cmdline() for p in self.children]}")
+
+    # ---- HTTP -------------------------------------------------------------------------------
+
+    def generate(self, **body) -> httpx.Response:
+        return self.client.post("/generate", json=body)
+
+    def generate_ok(self, **body):
+        r = self.generate(**body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def stream(self, **body) -> list[dict]:
+        """POST a streaming /generate; returns the JSON frames (asserting the [DONE] end)."""
+        frames = []
+        with self.client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+            assert r.status_code == 200, r.read()
+            assert r.headers["content-type"].startswith("text/event-stream")
+            raw = "".join(r.iter_text())
+        events = [e for e in raw.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]", events[-1]
+        for e in events[:-1]:
+            assert e.startswith("data: "), e
+            frames.append(json.loads(e[len("data: "):]))
+        return frames
+
+    def server_info(self) -> dict:
+        return self.client.get("/server_info").json()
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        """Last resort: no process may outlive a test."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        for p in getattr(self, "children", []):
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait()
+        self.log.close()

@@ -1,0 +1,217 @@
+"""End to end: /generate on a launched server equals transformers' greedy output, in all
+four response forms, for the llama, qwen2 and qwen3 families."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from tests.conftest import FAMILIES
+from tests.reference import assert_greedy_match, greedy_reference
+from tests.server import Server
+
+PROMPTS = ["The quick brown fox", "你好，世界！今天天气", "Emoji 🎉 party 👩‍💻 time ✨",
+           "def fibonacci(n):"]
+MAX_NEW = 24
+GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+META_KEYS = {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason"}
+LATENCY_KEYS = {"e2e_latency", "first_token_latency"}
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model_dir(family, tiny_model):
+    return tiny_model(family)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    s = Server(model_dir, tmpdir=tmp_path_factory.mktemp("srv"))
+    yield s
+    assert s.terminate() == 0, s.logs()
+
+
+@pytest.fixture(scope="module")
+def incremental_server(model_dir, tmp_path_factory):
+    s = Server(model_dir, "--incremental-streaming-output",
+               tmpdir=tmp_path_factory.mktemp("srv"))
+    yield s
+    assert s.terminate() == 0, s.logs()
+
+
+@functools.cache
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@functools.cache
+def reference(model_dir, prompt: str):
+    ids = tokenizer(model_dir).encode(prompt)
+    return ids, *greedy_reference(model_dir, ids, MAX_NEW)
+
+
+def check_meta(meta: dict, terminal: bool) -> None:
+    assert META_KEYS <= meta.keys(), meta
+    if terminal:
+        assert meta["finish_reason"] is not None
+        assert LATENCY_KEYS <= meta.keys(), meta
+        assert 0 < meta["first_token_latency"] <= meta["e2e_latency"], meta
+    else:
+        assert meta["finish_reason"] is None
+        assert not LATENCY_KEYS & meta.keys(), meta
+
+
+def check_against_reference(model_dir, prompt: str, out: dict) -> None:
+    prompt_ids, ref_ids, margins = reference(model_dir, prompt)
+    assert_greedy_match(out["output_ids"], ref_ids, margins)
+    assert out["text"] == tokenizer(model_dir).decode(out["output_ids"],
+                                                      skip_special_tokens=True)
+    meta = out["meta_info"]
+    check_meta(meta, terminal=True)
+    assert meta["prompt_tokens"] == len(prompt_ids)
+    assert meta["completion_tokens"] == MAX_NEW
+    assert meta["finish_reason"] == {"type": "length", "length": MAX_NEW}
+
+
+def test_unary_matches_transformers(server, model_dir):
+    for prompt in PROMPTS:
+        check_against_reference(model_dir, prompt, server.generate_ok(
+            text=prompt, sampling_params=GREEDY))
+
+
+def test_input_ids_prompt_matches_text_prompt(server, model_dir):
+    prompt_ids, _, _ = reference(model_dir, PROMPTS[1])
+    by_ids = server.generate_ok(input_ids=prompt_ids, sampling_params=GREEDY)
+    check_against_reference(model_dir, PROMPTS[1], by_ids)
+
+
+def test_batch_matches_transformers_in_input_order(server, model_dir):
+    outs = server.generate_ok(text=PROMPTS, sampling_params=GREEDY, rid="batch")
+    assert [o["meta_info"]["id"] for o in outs] == [f"batch_{i}" for i in range(len(PROMPTS))]
+    for prompt, out in zip(PROMPTS, outs):
+        check_against_reference(model_dir, prompt, out)
+
+
+def test_n_samples_are_prompt_major(server, model_dir):
+    params = {**GREEDY, "n": 2}
+    outs = server.generate_ok(text=PROMPTS[:2], sampling_params=params)
+    assert len(outs) == 4
+    for i, out in enumerate(outs):
+        check_against_reference(model_dir, PROMPTS[i // 2], out)
+
+
+def test_cumulative_stream_extends_and_ends_at_unary(server, model_dir):
+    prompt = PROMPTS[2]
+    frames = server.stream(text=prompt, sampling_params=GREEDY)
+    unary = server.generate_ok(text=prompt, sampling_params=GREEDY)
+    for prev, cur in zip(frames, frames[1:]):
+        assert cur["text"].startswith(prev["text"])
+        assert cur["output_ids"][:len(prev["output_ids"])] == prev["output_ids"]
+    for f in frames[:-1]:
+        check_meta(f["meta_info"], terminal=False)
+    assert frames[-1]["text"] == unary["text"]
+    assert frames[-1]["output_ids"] == unary["output_ids"]
+    check_against_reference(model_dir, prompt, frames[-1])
+
+
+def test_batch_stream_frames_carry_index(server, model_dir):
+    frames = server.stream(text=PROMPTS[:3], sampling_params=GREEDY)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        mine = [f for f in frames if f["index"] == i]
+        assert [f["meta_info"]["finish_reason"] is not None for f in mine].count(True) == 1
+        assert mine[-1]["meta_info"]["finish_reason"] is not None
+        check_against_reference(model_dir, prompt, mine[-1])
+
+
+def test_incremental_stream_concatenates_to_unary(incremental_server, model_dir):
+    s = incremental_server
+    for prompt in PROMPTS[1:3]:
+        unary = s.generate_ok(text=prompt, sampling_params=GREEDY)
+        check_against_reference(model_dir, prompt, unary)
+        frames = s.stream(text=prompt, sampling_params=GREEDY)
+        assert "".join(f["text"] for f in frames) == unary["text"]
+        assert sum((f["output_ids"] for f in frames), []) == unary["output_ids"]
+        assert [f["meta_info"]["completion_tokens"] for f in frames][-1] == MAX_NEW
+        check_meta(frames[-1]["meta_info"], terminal=True)
+
+
+def test_incremental_batch_stream(incremental_server, model_dir):
+    frames = incremental_server.stream(text=PROMPTS[:2], sampling_params=GREEDY)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        mine = [f for f in frames if f["index"] == i]
+        out = {"text": "".join(f["text"] for f in mine),
+               "output_ids": sum((f["output_ids"] for f in mine), []),
+               "meta_info": mine[-1]["meta_info"]}
+        check_against_reference(model_dir, prompt, out)
+
+
+def test_batch_latencies_are_per_item(server):
+    outs = server.generate_ok(text=["a long one", "a short one"], sampling_params=[
+        {"max_new_tokens": 96, "ignore_eos": True, "temperature": 0},
+        {"max_new_tokens": 1, "ignore_eos": True, "temperature": 0}])
+    long, short = (o["meta_info"] for o in outs)
+    assert long["completion_tokens"] == 96 and short["completion_tokens"] == 1
+    assert short["e2e_latency"] < long["e2e_latency"]
+    assert short["first_token_latency"] <= short["e2e_latency"]
+
+
+def test_stop_string_trims_and_frees_the_request(server, model_dir):
+    unary = server.generate_ok(text=PROMPTS[0], sampling_params=GREEDY)
+    text = unary["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop, text
+    out = server.generate_ok(text=PROMPTS[0], sampling_params={**GREEDY, "stop": [stop]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == text[:text.index(stop)]
+    assert out["output_ids"] == unary["output_ids"][:len(out["output_ids"])]
+    assert out["meta_info"]["completion_tokens"] == len(out["output_ids"]) < MAX_NEW
+    kept = server.generate_ok(text=PROMPTS[0], sampling_params={
+        **GREEDY, "stop": [stop], "no_stop_trim": True})
+    assert kept["text"] == text[:text.index(stop) + len(stop)]
+    wait_idle(server)
+
+
+def test_stop_token_ids(server, model_dir):
+    unary = server.generate_ok(text=PROMPTS[3], sampling_params=GREEDY)
+    token = unary["output_ids"][5]
+    first = unary["output_ids"].index(token)
+    out = server.generate_ok(text=PROMPTS[3], sampling_params={
+        **GREEDY, "stop_token_ids": [token]})
+    assert out["output_ids"] == unary["output_ids"][:first + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": token}
+
+
+def wait_idle(server, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = server.server_info()
+        if info["running_requests"] == 0 and info["queued_requests"] == 0 and \
+                info["requests_in_flight"] == 0:
+            return info
+        assert time.monotonic() < deadline, info
+        time.sleep(0.05)
+
+
+def test_client_disconnect_aborts_the_request(server):
+    before = wait_idle(server)["generated_tokens_total"]
+    body = {"text": "x", "stream": True, "rid": "goes-away",
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        with c.stream("POST", "/generate", json=body) as r:
+            next(r.iter_lines())            # the first frame: the request is running
+    info = wait_idle(server)
+    assert info["generated_tokens_total"] - before < 400
+    assert info["kv_pool"]["free"] == info["kv_pool"]["total"]
+    # The rid is free again.
+    assert server.generate_ok(text="x", rid="goes-away",
+                              sampling_params={"max_new_tokens": 1})["meta_info"]["id"]
