@@ -1,0 +1,31 @@
+# zserve: `make serve` starts the server, `make test` runs the whole suite.
+# Both create .venv and install what they need first (CPU torch 2.13.0 by default).
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+ARGS   ?=
+
+.PHONY: install serve test test-fast clean
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+serve: install
+	$(BIN)/python launch.py $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not e2e"
+
+clean:
+	rm -rf $(VENV) *.egg-info
