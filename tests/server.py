@@ -28,17 +28,19 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model_path: str | Path, *extra: str, tmpdir: str | Path | None = None):
+    def __init__(self, model_path: str | Path | None, *extra: str,
+                 tmpdir: str | Path | None = None, env: dict | None = None):
+        """model_path None: the built-in demo model."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.model_path = str(model_path)
-        env = dict(os.environ)
+        model_args = [] if model_path is None else ["--model-path", str(model_path)]
+        env = {**os.environ, **(env or {})}
         if tmpdir is not None:                  # where the server's ipc directory goes
             env["TMPDIR"] = str(tmpdir)
         self.log_path = Path(tmpdir or "/tmp") / f"zserve-{self.port}.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, str(REPO / "launch.py"), "--model-path", self.model_path,
+            [sys.executable, str(REPO / "launch.py"), *model_args,
              "--port", str(self.port), "--log-level", "warning", *extra],
             cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.client = httpx.Client(base_url=self.url, timeout=120.0)

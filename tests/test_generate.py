@@ -202,6 +202,40 @@ def wait_idle(server, timeout: float = 10.0) -> dict:
         time.sleep(0.05)
 
 
+def test_unary_client_disconnect_aborts_the_request(server):
+    before = wait_idle(server)["generated_tokens_total"]
+    body = {"text": "x", "rid": "unary-goes-away",
+            "sampling_params": {"max_new_tokens": 450, "ignore_eos": True}}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/generate", json=body, timeout=0.2)
+    info = wait_idle(server)
+    assert info["generated_tokens_total"] - before < 450
+    assert info["kv_pool"]["free"] == info["kv_pool"]["total"]
+
+
+def test_abort_request_by_rid_prefix(server):
+    import threading
+    results = {}
+
+    def run(i):
+        results[i] = server.client.post("/generate", json={
+            "text": "x", "rid": f"job-{i}",
+            "sampling_params": {"max_new_tokens": 450, "ignore_eos": True}}).json()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while server.server_info()["running_requests"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.client.post("/abort_request", json={"rid": "job-"}).json()["aborted"] == 2
+    for t in threads:
+        t.join(30)
+    for out in results.values():
+        assert out["meta_info"]["finish_reason"]["type"] == "abort", out["meta_info"]
+        assert out["meta_info"]["completion_tokens"] < 450
+    wait_idle(server)
+
+
 def test_client_disconnect_aborts_the_request(server):
     before = wait_idle(server)["generated_tokens_total"]
     body = {"text": "x", "stream": True, "rid": "goes-away",
