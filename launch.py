@@ -184,6 +184,10 @@ def _hard_exit(children: Children, addrs: Addresses) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Four processes share few cores: OpenMP threads that spin while waiting for a preempted
+    # sibling turn a 20 us matmul into milliseconds. Passive waiting costs nothing when
+    # alone and saves the step when contended. Children inherit it (set before torch loads).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = ServerArgs.from_cli(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="[%(asctime)s api] %(levelname)s %(message)s")

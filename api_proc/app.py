@@ -43,7 +43,8 @@ def build_app(args: ServerArgs, dispatcher: Dispatcher, scheduler_info: dict) ->
             "kv_pool": {"total": load.kv_total, "free": load.kv_free,
                         "evictable": load.kv_evictable},
             "prompt_tokens_total": load.prompt_tokens_total,
-            "generated_tokens_total": load.generated_tokens_total})
+            "generated_tokens_total": load.generated_tokens_total,
+            "retracted_total": load.retracted_total})
 
     async def abort_request(request: Request) -> Response:
         try:
@@ -59,6 +60,15 @@ def build_app(args: ServerArgs, dispatcher: Dispatcher, scheduler_info: dict) ->
             return error_response(str(e), e.status)
         n = dispatcher.abort_prefix("" if abort_all else rid)
         return JSONResponse({"aborted": n})
+
+    async def flush_cache(_: Request) -> Response:
+        if dispatcher.lost:
+            return error_response(f"Server unhealthy: {dispatcher.lost}", 503)
+        try:
+            reply = await dispatcher.flush_cache()
+        except asyncio.TimeoutError:
+            return error_response("The scheduler did not answer in time.", 503)
+        return JSONResponse({"message": reply.message}, status_code=200 if reply.ok else 400)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -77,5 +87,6 @@ def build_app(args: ServerArgs, dispatcher: Dispatcher, scheduler_info: dict) ->
         Route("/server_info", server_info, methods=["GET"]),
         Route("/get_server_info", server_info, methods=["GET"]),
         Route("/abort_request", abort_request, methods=["POST"]),
+        Route("/flush_cache", flush_cache, methods=["POST", "GET"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan)

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 import zmq.asyncio
 
 from api_proc.timing import RequestTiming
 from wire.addresses import Addresses
-from wire.messages import (AbortRequest, FinishReason, GenerateRequest, SchedulerLoad, TextBatch,
-                           TextOutput)
+from wire.messages import (AbortRequest, ControlReply, FinishReason, FlushCacheRequest,
+                           GenerateRequest, SchedulerLoad, TextBatch, TextOutput)
 from wire.sockets import AsyncInbox, Outbox
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class Dispatcher:
         self.lost: str | None = None      # set when the pipeline is gone; then all fail fast
         self.loop: asyncio.AbstractEventLoop | None = None   # set once run() starts
         self.load = SchedulerLoad()                          # the newest the scheduler sent
+        self.controls: dict[str, asyncio.Future[ControlReply]] = {}
 
     def submit(self, reqs: list[GenerateRequest]) -> list[RequestState]:
         """Register and send a group of requests atomically (all or none)."""
@@ -132,6 +134,19 @@ class Dispatcher:
                 "abort", message=message, status_code=503)))
         self.states.clear()
 
+    async def flush_cache(self, timeout: float = 30.0) -> ControlReply:
+        req_id = uuid.uuid4().hex
+        fut = self.controls[req_id] = asyncio.get_running_loop().create_future()
+        try:
+            self.to_tokenizer.send(FlushCacheRequest(req_id))
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self.controls.pop(req_id, None)
+
+    def _update_load(self, load: SchedulerLoad) -> None:
+        if load.seq >= self.load.seq:      # control replies and batches race: newest wins
+            self.load = load
+
     def lose_threadsafe(self, message: str) -> None:
         """Called from the supervisor thread when a child dies."""
         self.lost = message
@@ -143,12 +158,18 @@ class Dispatcher:
         self.loop = asyncio.get_running_loop()
         while True:
             batch = await self.inbox.recv_one()
+            if isinstance(batch, ControlReply):
+                self._update_load(batch.load)
+                fut = self.controls.get(batch.req_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(batch)
+                continue
             if not isinstance(batch, TextBatch):
                 log.error("unexpected message %s", type(batch).__name__)
                 continue
             now = time.monotonic()
             if batch.load is not None:
-                self.load = batch.load
+                self._update_load(batch.load)
             for out in batch.outputs:
                 state = self.states.get(out.rid)
                 if state is None:

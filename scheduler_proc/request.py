@@ -15,7 +15,8 @@ class Req:
     0..num_computed-1 lives in `slots`, so num_computed is len(slots)."""
 
     __slots__ = ("rid", "input_ids", "sampling", "stream", "output_ids", "slots", "row",
-                 "arrived_at", "queue_time", "finish", "announced", "generator")
+                 "prefix_node", "prefix_len", "cached_tokens", "arrived_at", "queue_time",
+                 "finish", "announced", "generator")
 
     def __init__(self, msg: TokenizedRequest):
         self.rid = msg.rid
@@ -25,6 +26,9 @@ class Req:
         self.output_ids: list[int] = []
         self.slots: list[int] = []          # KV slot of each computed position
         self.row: int | None = None          # row in the request-to-token table while admitted
+        self.prefix_node = None              # radix node locked for the cached prefix
+        self.prefix_len = 0                  # slots[:prefix_len] are the radix tree's
+        self.cached_tokens: int | None = None  # prompt tokens served from the cache (1st admit)
         self.arrived_at = time.monotonic()
         self.queue_time: float | None = None
         self.finish: FinishReason | None = None

@@ -23,7 +23,6 @@ from wire.server_args import ServerArgs
 log = logging.getLogger(__name__)
 
 CPU_KV_MEMORY_FRACTION = 0.1    # of total RAM, for the default --max-total-tokens on CPU
-CUDA_KV_MEMORY_FRACTION = 0.8   # of free GPU memory after the weights
 
 
 @dataclass(slots=True)
@@ -68,7 +67,7 @@ class ModelRunner:
                                             self.dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * CUDA_KV_MEMORY_FRACTION)
+            budget = int(free * args.mem_fraction_static)
         else:
             budget = int(psutil.virtual_memory().total * CPU_KV_MEMORY_FRACTION)
         # Never more than every running request at full context could use.

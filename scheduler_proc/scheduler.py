@@ -5,44 +5,59 @@ A step is a mixed batch: every running request that has finished its prompt deco
 token, and up to --chunked-prefill-size prompt tokens are prefilled alongside, so a long
 prompt delays running decodes by at most one chunk per step.
 
-Admission reserves KV room for a request's whole run (prompt + max_new_tokens), so a step
-never runs out of slots. Invariant: every accepted request gets exactly one terminal output.
+Memory is overcommitted the way SGLang does it: admission reserves only an estimate of each
+running request's remaining tokens (`new_token_ratio` of them). When a step cannot get the
+slots it needs, the most recently admitted requests are retracted to the front of the queue
+(their KV goes into the prefix cache, their outputs so far are kept) and the estimate is
+raised. Invariant: every accepted request gets exactly one terminal output.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 
 import zmq
 
+from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.request import Req
 from scheduler_proc.runner import ModelRunner, Segment
 from wire.addresses import Addresses
-from wire.messages import (AbortRequest, FinishReason, ReleaseRequest, SchedulerLoad,
-                           TokenBatch, TokenizedRequest, TokenOutput)
+from wire.messages import (AbortRequest, ControlReply, FinishReason, FlushCacheRequest,
+                           ReleaseRequest, SchedulerLoad, TokenBatch, TokenizedRequest,
+                           TokenOutput)
 from wire.server_args import ServerArgs
 from wire.sockets import Inbox, Outbox
 
 log = logging.getLogger(__name__)
 
-EARLY_ABORT_TTL = 30.0   # seconds to remember an abort that overtook its request
+EARLY_ABORT_TTL = 30.0      # seconds to remember an abort that overtook its request
+INIT_NEW_TOKEN_RATIO = 0.7  # share of a request's remaining max_new_tokens reserved for it
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600   # per step
 
 
 class Scheduler:
     def __init__(self, args: ServerArgs, addrs: Addresses, ctx: zmq.Context):
         self.args = args
         self.runner = ModelRunner(args)
+        self.kv = KVManager(self.runner.pool, self.runner.req_to_token,
+                            use_cache=not args.disable_radix_cache)
         self.eos_ids = set(self.runner.config.eos_token_ids)
         self.inbox = Inbox(ctx, addrs.scheduler)
         self.outbox = Outbox(ctx, addrs.detokenizer)
+        self.to_api = Outbox(ctx, addrs.api)
         self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []
-        self.outputs: list[TokenOutput] = []          # sent with the next TokenBatch
-        self.early_aborts: dict[str, float] = {}      # rid -> when its abort arrived
+        self.running: list[Req] = []              # in admission order
+        self.outputs: list[TokenOutput] = []      # sent with the next TokenBatch
+        self.early_aborts: dict[str, float] = {}  # rid -> when its abort arrived
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.seq = 0
         self.prompt_tokens_total = 0
         self.generated_tokens_total = 0
+        self.retracted_total = 0
 
     # ---- the loop -----------------------------------------------------------------------
 
@@ -68,6 +83,8 @@ class Scheduler:
         elif isinstance(msg, ReleaseRequest):
             for req in self._find(lambda r: r.rid in msg.rids):
                 self.finish(req, FinishReason("abort", message="Released by the detokenizer."))
+        elif isinstance(msg, FlushCacheRequest):
+            self.flush_cache(msg.req_id)
         else:
             log.error("unexpected message %s", type(msg).__name__)
 
@@ -76,6 +93,7 @@ class Scheduler:
         if self.early_aborts.pop(req.rid, None) is not None:
             self.finish(req, FinishReason("abort", message="Aborted by the client."))
         elif req.max_total_tokens > self.runner.pool_size:
+            # Even alone, with every cached prefix evicted, it could not finish.
             self.finish(req, FinishReason(
                 "abort", status_code=400,
                 message=f"The request needs {req.max_total_tokens} KV slots (prompt + "
@@ -103,42 +121,72 @@ class Scheduler:
     # ---- scheduling ---------------------------------------------------------------------
 
     def reserved(self) -> int:
-        """KV slots promised to admitted requests but not yet allocated."""
-        return sum(r.max_total_tokens - r.num_computed for r in self.running)
+        """Slots the running requests are expected to still need (estimated)."""
+        return sum(r.seq_len - r.num_computed +
+                   math.ceil((r.sampling.max_new_tokens - len(r.output_ids))
+                             * self.new_token_ratio) for r in self.running)
 
-    def can_admit(self, req: Req) -> bool:
-        return (len(self.running) < self.args.max_running_requests and
-                self.runner.pool.num_free - self.reserved() >= req.max_total_tokens)
+    def admit_cost(self, req: Req) -> int:
+        remaining = req.sampling.max_new_tokens - len(req.output_ids)
+        return req.seq_len + math.ceil(remaining * self.new_token_ratio)
 
     def schedule(self) -> list[Segment]:
+        self.make_room()
         budget = self.args.chunked_prefill_size
         segments: list[Segment] = []
         for req in self.running:
             todo = req.seq_len - req.num_computed
             n = todo if todo == 1 else min(todo, budget)
-            if n == 0:
+            if n == 0 or n > self.kv.available:
                 continue
-            if todo > 1:
-                budget -= n
-            segments.append(Segment(req, req.num_computed, n, sample=n == todo))
-        while self.waiting and budget > 0 and self.can_admit(self.waiting[0]):
+            budget -= n if todo > 1 else 0
+            self.kv.extend(req, n)
+            segments.append(Segment(req, req.num_computed - n, n, sample=n == todo))
+        room = self.kv.available - self.reserved()
+        while (self.waiting and budget > 0 and
+               len(self.running) < self.args.max_running_requests and
+               (not self.running or self.admit_cost(self.waiting[0]) <= room)):
             req = self.waiting.popleft()
-            self.prompt_tokens_total += len(req.input_ids)
-            req.row = self.runner.req_to_token.allocate()
+            self.kv.admit(req)
             self.running.append(req)
-            n = min(req.seq_len, budget)
+            if req.cached_tokens is None:
+                req.cached_tokens = req.prefix_len
+                self.prompt_tokens_total += len(req.input_ids)
+            todo = req.seq_len - req.num_computed
+            n = min(todo, budget)
             budget -= n
-            segments.append(Segment(req, 0, n, sample=n == req.seq_len))
+            self.kv.extend(req, n)
+            segments.append(Segment(req, req.num_computed - n, n, sample=n == todo))
+            room = self.kv.available - self.reserved()
         now = time.monotonic()
         for seg in segments:
-            req = seg.req
-            if req.queue_time is None:
-                req.queue_time = now - req.arrived_at
-            slots = self.runner.pool.allocate(seg.length)
-            self.runner.req_to_token.write(req.row, seg.start, slots)
-            req.slots += slots
+            if seg.req.queue_time is None:
+                seg.req.queue_time = now - seg.req.arrived_at
+        if segments:
+            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
+                                       self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         segments.sort(key=lambda s: s.length != 1)   # decode rows first (see attention.py)
         return segments
+
+    def step_need(self) -> int:
+        """Slots this step needs at least: one per decoding request, plus the next chunk of
+        the oldest request still in its prompt (so a prefill can never starve)."""
+        todos = [r.seq_len - r.num_computed for r in self.running]
+        prefill = next((t for t in todos if t > 1), 0)
+        return todos.count(1) + min(prefill, self.args.chunked_prefill_size)
+
+    def make_room(self) -> None:
+        """Retract the newest running requests until this step's minimum fits."""
+        while len(self.running) > 1 and self.kv.available < self.step_need():
+            self.retract(self.running[-1])
+
+    def retract(self, req: Req) -> None:
+        self.kv.release(req)
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+        self.retracted_total += 1
+        self.new_token_ratio = 1.0
+        log.info("retracted %s (%d tokens) to free KV memory", req.rid, req.seq_len)
 
     # ---- results ------------------------------------------------------------------------
 
@@ -165,9 +213,7 @@ class Scheduler:
     def finish(self, req: Req, reason: FinishReason, new_ids: list[int] | None = None) -> None:
         """End a request wherever it is and free what it holds."""
         if req.row is not None:
-            self.runner.pool.free(req.slots)
-            self.runner.req_to_token.free(req.row)
-            req.slots, req.row = [], None
+            self.kv.release(req)
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
@@ -177,15 +223,26 @@ class Scheduler:
     def emit(self, req: Req, new_ids: list[int], finish: FinishReason | None) -> None:
         self.outputs.append(TokenOutput(
             rid=req.rid, new_ids=new_ids, finish=finish, prompt_tokens=len(req.input_ids),
-            cached_tokens=0, queue_time=req.queue_time,
+            cached_tokens=req.cached_tokens or 0, queue_time=req.queue_time,
             decode=None if req.announced else req.decode_params()))
         req.announced = True
 
     # ---- introspection ------------------------------------------------------------------
 
+    def flush_cache(self, req_id: str) -> None:
+        if self.running or self.waiting:
+            ok, message = False, "Cache not flushed because there are pending requests."
+        else:
+            self.kv.flush()
+            ok, message = True, "Cache flushed."
+        self.to_api.send(ControlReply(req_id, ok, message, self.load()))
+
     def load(self) -> SchedulerLoad:
         pool = self.runner.pool
-        return SchedulerLoad(running=len(self.running), queued=len(self.waiting),
-                             kv_total=pool.size, kv_free=pool.num_free, kv_evictable=0,
+        self.seq += 1
+        return SchedulerLoad(seq=self.seq, running=len(self.running), queued=len(self.waiting),
+                             kv_total=pool.size, kv_free=pool.num_free,
+                             kv_evictable=self.kv.evictable,
                              prompt_tokens_total=self.prompt_tokens_total,
-                             generated_tokens_total=self.generated_tokens_total)
+                             generated_tokens_total=self.generated_tokens_total,
+                             retracted_total=self.retracted_total)

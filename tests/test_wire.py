@@ -87,6 +87,11 @@ SAMPLES: dict[type, list] = {
         ], load=LOAD),
         m.TextBatch(outputs=[], load=m.SchedulerLoad()),
     ],
+    m.FlushCacheRequest: [m.FlushCacheRequest(req_id="f1")],
+    m.ControlReply: [
+        m.ControlReply(req_id="f1", ok=True, message="Cache flushed.", load=LOAD),
+        m.ControlReply(req_id="", ok=False, message=UNICODE, load=m.SchedulerLoad()),
+    ],
 }
 
 ALL_SAMPLES = [msg for msgs in SAMPLES.values() for msg in msgs]
@@ -119,7 +124,7 @@ def test_tags_are_pinned_and_unique():
     # Tags are part of the protocol: append, never renumber.
     assert {cls.__name__: tag for cls, tag in TAGS.items()} == {
         "GenerateRequest": 1, "AbortRequest": 2, "TokenizedRequest": 3, "ReleaseRequest": 4,
-        "TokenBatch": 5, "TextBatch": 6}
+        "TokenBatch": 5, "TextBatch": 6, "FlushCacheRequest": 7, "ControlReply": 8}
 
 
 @pytest.mark.parametrize("msg", ALL_SAMPLES, ids=lambda msg: type(msg).__name__)
@@ -221,7 +226,7 @@ def test_frame_that_is_not_tag_and_fields(obj):
     _decode_error(msgpack.packb(obj, use_bin_type=True))
 
 
-@pytest.mark.parametrize("tag", [0, 7, 99, -1, 2**63])
+@pytest.mark.parametrize("tag", [0, max(TAGS.values()) + 1, 99, -1, 2**63])
 def test_unknown_tag(tag):
     err = _decode_error(_frame(tag, _fields(m.AbortRequest("a"))))
     assert "unknown message tag" in str(err)

@@ -13,8 +13,8 @@ from multiprocessing.connection import Connection
 import zmq
 
 from wire.addresses import Addresses
-from wire.messages import (AbortRequest, FinishReason, GenerateRequest, TextBatch, TextOutput,
-                           TokenizedRequest)
+from wire.messages import (AbortRequest, FinishReason, FlushCacheRequest, GenerateRequest,
+                           TextBatch, TextOutput, TokenizedRequest)
 from wire.proc import run_child
 from wire.server_args import ServerArgs
 from wire.sockets import Inbox, Outbox
@@ -75,8 +75,8 @@ def main(args: ServerArgs, addrs: Addresses, conn: Connection) -> None:
         ready()
         while True:
             for msg in inbox.recv(timeout_ms=None):
-                if isinstance(msg, AbortRequest):
-                    to_scheduler.send(msg)
+                if isinstance(msg, (AbortRequest, FlushCacheRequest)):
+                    to_scheduler.send(msg)      # control messages pass through, in order
                     continue
                 if not isinstance(msg, GenerateRequest):
                     log.error("unexpected message %s", type(msg).__name__)

@@ -27,6 +27,8 @@ TAGS: dict[type, int] = {
     m.ReleaseRequest: 4,
     m.TokenBatch: 5,
     m.TextBatch: 6,
+    m.FlushCacheRequest: 7,
+    m.ControlReply: 8,
 }
 _BY_TAG: dict[int, type] = {tag: cls for cls, tag in TAGS.items()}
 

@@ -63,6 +63,13 @@ class AbortRequest:
     message: str = "Aborted by the client."
 
 
+@dataclass(slots=True)
+class FlushCacheRequest:
+    """Drop the prefix cache (only when no request is running). Answered by ControlReply."""
+
+    req_id: str
+
+
 # ---- tokenizer -> scheduler ----------------------------------------------------------------
 
 @dataclass(slots=True)
@@ -111,6 +118,7 @@ class SchedulerLoad:
     """The scheduler's state after a step; rides along every TokenBatch and TextBatch so the
     API always knows the latest without asking (and an idle server sends nothing)."""
 
+    seq: int = 0                        # increases with every snapshot: newer wins
     running: int = 0
     queued: int = 0
     kv_total: int = 0
@@ -118,6 +126,7 @@ class SchedulerLoad:
     kv_evictable: int = 0
     prompt_tokens_total: int = 0        # counters since start
     generated_tokens_total: int = 0
+    retracted_total: int = 0
 
 
 @dataclass(slots=True)
@@ -125,6 +134,16 @@ class TokenBatch:
     """One forward step's outputs: one message per step, not per token."""
 
     outputs: list[TokenOutput]
+    load: SchedulerLoad
+
+
+# ---- scheduler -> api ------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class ControlReply:
+    req_id: str
+    ok: bool
+    message: str
     load: SchedulerLoad
 
 

@@ -29,6 +29,10 @@ class ServerArgs:
                                       "max_position_embeddings).")
     max_total_tokens: int | None = _opt(None, "KV pool size in tokens (default: from a "
                                         "memory budget).")
+    mem_fraction_static: float = _opt(0.8, "On CUDA: fraction of free GPU memory (after the "
+                                      "weights) for the KV pool when --max-total-tokens is "
+                                      "not given. On CPU a fixed 10% of RAM is used.")
+    disable_radix_cache: bool = _opt(False, "Turn the radix prefix cache off.")
     max_running_requests: int = _opt(64, "Most requests in the running batch.")
     chunked_prefill_size: int = _opt(2048, "Most prompt tokens prefilled in one step.")
     incremental_streaming_output: bool = _opt(False, "Stream only new text and ids in each "
@@ -58,6 +62,10 @@ class ServerArgs:
         for name in ("port", "max_running_requests", "chunked_prefill_size"):
             if getattr(self, name) <= 0:
                 raise SystemExit(f"--{name.replace('_', '-')} must be positive")
+        if self.max_total_tokens is not None and self.max_total_tokens <= 0:
+            raise SystemExit("--max-total-tokens must be positive")
+        if not 0 < self.mem_fraction_static <= 1:
+            raise SystemExit("--mem-fraction-static must be in (0, 1]")
 
     @property
     def resolved_tokenizer_path(self) -> str:

@@ -1,0 +1,143 @@
+"""End to end: the engine's memory system keeps outputs exact.
+
+Greedy output equals transformers' with the radix cache on and off, with prompts sharing
+long prefixes, with chunked prefill forced by a tiny chunk, and with retraction forced by a
+tiny KV pool; cached_tokens is reported; the pool is whole again once idle.
+"""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.conftest import FAMILIES
+from tests.reference import assert_greedy_match, greedy_reference
+from tests.server import Server
+
+pytestmark = pytest.mark.e2e
+
+MAX_NEW = 20
+GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+CONFIGS = {
+    "radix": (),
+    "no-radix-tiny-chunk": ("--disable-radix-cache", "--chunked-prefill-size", "7"),
+    "tiny-pool": ("--max-total-tokens", "160", "--chunked-prefill-size", "16"),
+}
+
+
+def prompts(seed: int, n: int, prefix_len: int = 48) -> list[list[int]]:
+    """n prompts sharing a long common prefix, with distinct suffixes of mixed lengths."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(5, 700) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(5, 700) for _ in range(rng.randrange(1, 12))]
+            for _ in range(n)]
+
+
+def check(model_dir, prompt: list[int], out: dict, max_new: int = MAX_NEW) -> None:
+    ref_ids, margins = greedy_reference(model_dir, prompt, max_new)
+    assert_greedy_match(out["output_ids"], ref_ids, margins)
+    assert out["meta_info"]["prompt_tokens"] == len(prompt)
+
+
+def wait_idle(server) -> dict:
+    from tests.test_generate import wait_idle as wait
+    return wait(server)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def server(request, family, tiny_model, tmp_path_factory):
+    s = Server(tiny_model(family), *CONFIGS[request.param],
+               tmpdir=tmp_path_factory.mktemp("srv"))
+    s.config = request.param
+    s.model_dir = tiny_model(family)
+    yield s
+    assert s.terminate() == 0, s.logs()
+
+
+def test_shared_prefixes_concurrently_match_transformers(server):
+    ps = prompts(1, 8)
+    first = server.generate_ok(input_ids=ps[0], sampling_params=GREEDY)
+    check(server.model_dir, ps[0], first)
+    with ThreadPoolExecutor(len(ps)) as pool:
+        outs = list(pool.map(lambda p: server.generate_ok(input_ids=p, sampling_params=GREEDY),
+                             ps))
+    for p, out in zip(ps, outs):
+        check(server.model_dir, p, out)
+    info = wait_idle(server)
+    pool_ = info["kv_pool"]
+    assert pool_["free"] + pool_["evictable"] == pool_["total"], pool_
+    if server.config == "radix":
+        assert max(o["meta_info"]["cached_tokens"] for o in outs) >= 48
+
+
+def test_retraction_keeps_outputs_exact(server):
+    """Outputs grow past what admission reserved for them: in the tiny pool some requests
+    must be retracted and recomputed, and their outputs must not change."""
+    rng = random.Random(7)
+    ps = [[rng.randrange(5, 700) for _ in range(10)] for _ in range(6)]
+    params = {**GREEDY, "max_new_tokens": 60}
+    before = server.server_info()["retracted_total"]
+    with ThreadPoolExecutor(len(ps)) as pool:
+        outs = list(pool.map(lambda p: server.generate_ok(input_ids=p, sampling_params=params),
+                             ps))
+    for p, out in zip(ps, outs):
+        check(server.model_dir, p, out, max_new=60)
+    info = wait_idle(server)
+    if server.config == "tiny-pool":
+        assert info["retracted_total"] > before, "the tiny pool should force a retraction"
+    kv = info["kv_pool"]
+    assert kv["free"] + kv["evictable"] == kv["total"], kv
+
+
+def test_batch_with_long_prompt_and_tiny_chunks(server):
+    ps = prompts(2, 3, prefix_len=100)
+    outs = server.generate_ok(input_ids=ps, sampling_params=GREEDY)
+    for p, out in zip(ps, outs):
+        check(server.model_dir, p, out)
+
+
+def test_cached_tokens(server):
+    if server.config == "no-radix-tiny-chunk":
+        p = prompts(3, 1)[0]
+        for _ in range(2):
+            out = server.generate_ok(input_ids=p, sampling_params=GREEDY)
+            assert out["meta_info"]["cached_tokens"] == 0
+        return
+    server.client.post("/flush_cache")
+    p = prompts(4, 1)[0]
+    a = server.generate_ok(input_ids=p, sampling_params=GREEDY)
+    assert a["meta_info"]["cached_tokens"] == 0
+    b = server.generate_ok(input_ids=p, sampling_params=GREEDY)
+    assert b["meta_info"]["cached_tokens"] == len(p) - 1
+    assert b["output_ids"] == a["output_ids"]
+    # A prompt that extends the first one (diverging from its output) shares the prompt.
+    extra = next(t for t in range(5, 700) if t != a["output_ids"][0])
+    c = server.generate_ok(input_ids=p + [extra, 9, 10], sampling_params=GREEDY)
+    assert c["meta_info"]["cached_tokens"] == len(p)
+    check(server.model_dir, p + [extra, 9, 10], c)
+
+
+def test_burst_leaves_the_pool_whole(server):
+    rng = random.Random(5)
+    bodies = [{"input_ids": [rng.randrange(5, 700) for _ in range(rng.randrange(2, 40))],
+               "sampling_params": {"max_new_tokens": rng.randrange(1, 30), "ignore_eos": True,
+                                   "temperature": rng.choice([0, 0.8])}}
+              for _ in range(64)]
+    with ThreadPoolExecutor(64) as pool:
+        outs = list(pool.map(lambda b: server.generate_ok(**b), bodies))
+    for b, out in zip(bodies, outs):
+        assert out["meta_info"]["completion_tokens"] == b["sampling_params"]["max_new_tokens"]
+    info = wait_idle(server)
+    kv = info["kv_pool"]
+    assert kv["free"] + kv["evictable"] == kv["total"], kv
+    r = server.client.post("/flush_cache")
+    assert r.status_code == 200, r.text
+    kv = server.server_info()["kv_pool"]
+    assert kv["free"] == kv["total"] and kv["evictable"] == 0, kv
