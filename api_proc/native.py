@@ -9,18 +9,19 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from api_proc.state import Dispatcher, DuplicateRid, RequestState
-from wire.messages import GenerateRequest
+from wire.messages import GenerateRequest, LogprobRequest
 from wire.sampling import SamplingParams
 
-UNSUPPORTED_YET = ("return_logprob", "top_logprobs_num", "logprob_start_len")
-KNOWN_KEYS = {"text", "input_ids", "sampling_params", "rid", "stream", *UNSUPPORTED_YET}
+LOGPROB_KEYS = ("return_logprob", "top_logprobs_num", "logprob_start_len",
+                "return_text_in_logprobs")
+KNOWN_KEYS = {"text", "input_ids", "sampling_params", "rid", "stream", *LOGPROB_KEYS}
 
 
 class BadRequest(ValueError):
@@ -40,6 +41,10 @@ class ParsedGenerate:
     requests: list[GenerateRequest]
     is_batch: bool          # the response is an array (or frames carry "index")
     stream: bool
+    text_in_logprobs: bool = False
+    # n > 1: one prefill-only request per such prompt, run first so the n samples share
+    # the prompt's KV through the prefix cache instead of computing it n times.
+    warmups: list[GenerateRequest] = field(default_factory=list)
 
 
 def _is_int(x: Any) -> bool:
@@ -99,9 +104,7 @@ def parse_generate(body: Any) -> ParsedGenerate:
     unknown = sorted(set(body) - KNOWN_KEYS)
     if unknown:
         raise BadRequest(f"Unknown field(s) in the request: {', '.join(unknown)}.")
-    for key in UNSUPPORTED_YET:
-        if body.get(key) not in (None, False, 0, -1):
-            raise BadRequest(f"{key} is not supported yet.")
+    logprob, text_in_logprobs = _logprob(body)
     prompts, is_batch, kind = _prompts(body)
     params = _sampling(body, len(prompts), is_batch)
     stream = body.get("stream", False)
@@ -109,14 +112,34 @@ def parse_generate(body: Any) -> ParsedGenerate:
         raise BadRequest("stream must be a boolean.")
     ns = [p.n for p in params]
     rids = _rids(body, len(prompts), ns, is_batch)
-    reqs = []
+    reqs, warmups = [], []
     for prompt, p, n in zip(prompts, params, ns):
         one = replace(p, n=1)
+        if n > 1:
+            warmups.append(GenerateRequest(
+                rid=uuid.uuid4().hex, text=prompt if kind == "text" else None,
+                input_ids=prompt if kind == "input_ids" else None,
+                sampling=replace(one, max_new_tokens=0)))
         for _ in range(n):
             reqs.append(GenerateRequest(
                 rid=rids[len(reqs)], text=prompt if kind == "text" else None,
-                input_ids=prompt if kind == "input_ids" else None, sampling=one, stream=stream))
-    return ParsedGenerate(reqs, is_batch or len(reqs) > 1, stream)
+                input_ids=prompt if kind == "input_ids" else None, sampling=one, stream=stream,
+                logprob=logprob))
+    return ParsedGenerate(reqs, is_batch or len(reqs) > 1, stream, text_in_logprobs, warmups)
+
+
+def _logprob(body: dict) -> tuple[LogprobRequest | None, bool]:
+    want = body.get("return_logprob", False)
+    top = body.get("top_logprobs_num", 0)
+    start = body.get("logprob_start_len", -1)
+    text = body.get("return_text_in_logprobs", False)
+    if not isinstance(want, bool) or not isinstance(text, bool):
+        raise BadRequest("return_logprob and return_text_in_logprobs must be booleans.")
+    if not _is_int(top) or top < 0:
+        raise BadRequest(f"top_logprobs_num must be a non-negative integer, got {top!r}.")
+    if not _is_int(start) or start < -1:
+        raise BadRequest(f"logprob_start_len must be an integer >= -1, got {start!r}.")
+    return (LogprobRequest(top_logprobs_num=top, start_len=start) if want else None), text
 
 
 async def read_json(request: Request) -> Any:
@@ -138,20 +161,44 @@ def item_json(state: RequestState, incremental: bool = False) -> dict:
     assert out is not None
     return {"text": out.text if incremental else state.text,
             "output_ids": out.new_ids if incremental else list(state.output_ids),
-            "meta_info": state.meta_info()}
+            "meta_info": state.meta_info(incremental)}
 
 
 class GenerateHandler:
-    def __init__(self, dispatcher: Dispatcher, incremental_streaming: bool):
+    def __init__(self, dispatcher: Dispatcher, incremental_streaming: bool,
+                 share_prompts: bool = True):
         self.dispatcher = dispatcher
         self.incremental = incremental_streaming
+        self.share_prompts = share_prompts      # the radix cache is on: warm up n > 1
+
+    async def warm_up(self, request: Request, parsed: ParsedGenerate) -> float | None:
+        """Prefill the prompts of n > 1 requests once. Returns when the warm-up started (the
+        samples' latencies count from there), or None if there was nothing to do."""
+        if not (parsed.warmups and self.share_prompts):
+            return None
+        states = self.dispatcher.submit(parsed.warmups)
+        started = min(s.timing.created_at for s in states)
+        if not await self._until_done(request, asyncio.gather(
+                *(s.wait_finished() for s in states))):
+            self.dispatcher.abort_unfinished(states)
+            raise BadRequest("The client went away.", 499)
+        failed = next((s for s in states if s.error is not None), None)
+        if failed is not None:
+            raise BadRequest(failed.error.message, failed.error.status_code)
+        return started
 
     async def handle(self, request: Request) -> Response:
         try:
             parsed = parse_generate(await read_json(request))
             if self.dispatcher.lost:
                 raise BadRequest(f"Server unhealthy: {self.dispatcher.lost}", 503)
+            started = await self.warm_up(request, parsed)
             states = self.dispatcher.submit(parsed.requests)
+            if started is not None:
+                for st in states:
+                    st.timing.created_at = started
+            for st in states:
+                st.text_in_logprobs = parsed.text_in_logprobs
         except (BadRequest, DuplicateRid) as e:
             return error_response(str(e), getattr(e, "status", 400))
         if parsed.stream:

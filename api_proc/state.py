@@ -17,7 +17,8 @@ import zmq.asyncio
 from api_proc.timing import RequestTiming
 from wire.addresses import Addresses
 from wire.messages import (AbortRequest, ControlReply, FinishReason, FlushCacheRequest,
-                           GenerateRequest, SchedulerLoad, TextBatch, TextOutput)
+                           GenerateRequest, LogprobRequest, Logprobs, SchedulerLoad, TextBatch,
+                           TextOutput)
 from wire.sockets import AsyncInbox, Outbox
 
 log = logging.getLogger(__name__)
@@ -30,21 +31,30 @@ class DuplicateRid(ValueError):
 class RequestState:
     """One request as the client sees it: cumulative text and ids, meta, timing."""
 
-    __slots__ = ("rid", "timing", "queue", "text", "output_ids", "last")
+    __slots__ = ("rid", "timing", "queue", "text", "output_ids", "last", "logprob",
+                 "output_logprobs", "input_logprobs", "text_in_logprobs")
 
-    def __init__(self, rid: str):
+    def __init__(self, rid: str, logprob: LogprobRequest | None = None):
         self.rid = rid
         self.timing = RequestTiming()
         self.queue: asyncio.Queue[TextOutput] = asyncio.Queue()
         self.text = ""
         self.output_ids: list[int] = []
         self.last: TextOutput | None = None     # the newest output taken from the queue
+        self.logprob = logprob                  # what logprobs were asked for, if any
+        self.output_logprobs = Logprobs()       # cumulative, one entry per output id
+        self.input_logprobs: Logprobs | None = None
+        self.text_in_logprobs = False           # SGLang's return_text_in_logprobs
 
     async def next(self) -> TextOutput:
-        """The next output, folded into the cumulative text and ids."""
+        """The next output, folded into the cumulative text, ids and logprobs."""
         out = await self.queue.get()
         self.text += out.text
         self.output_ids += out.new_ids
+        if out.logprobs is not None:
+            self.output_logprobs.extend(out.logprobs)
+        if out.input_logprobs is not None:
+            self.input_logprobs = out.input_logprobs
         self.last = out
         return out
 
@@ -64,7 +74,18 @@ class RequestState:
         f = self.last.finish if self.last else None
         return f if f is not None and f.status_code is not None else None
 
-    def meta_info(self) -> dict:
+    def _logprob_triples(self, lp: Logprobs) -> tuple[list, list]:
+        """SGLang's shapes: [[logprob, id, text|None], ...] and per position a list of such
+        triples for the top logprobs."""
+        texts = lp.texts if self.text_in_logprobs else [None] * len(lp.token_ids)
+        tokens = [[v, t, x] for v, t, x in zip(lp.logprobs, lp.token_ids, texts)]
+        tops = []
+        for i, (ids, vals) in enumerate(zip(lp.top_ids, lp.top_logprobs)):
+            names = lp.top_texts[i] if self.text_in_logprobs else [None] * len(ids)
+            tops.append([[v, t, x] for v, t, x in zip(vals, ids, names)])
+        return tokens, tops
+
+    def meta_info(self, incremental: bool = False) -> dict:
         out = self.last
         assert out is not None
         meta = {"id": self.rid,
@@ -72,6 +93,13 @@ class RequestState:
                 "prompt_tokens": out.prompt_tokens,
                 "completion_tokens": out.completion_tokens,
                 "cached_tokens": out.cached_tokens}
+        if self.logprob is not None:
+            lp = (out.logprobs or Logprobs()) if incremental else self.output_logprobs
+            meta["output_token_logprobs"], meta["output_top_logprobs"] = \
+                self._logprob_triples(lp)
+            if self.input_logprobs is not None:
+                meta["input_token_logprobs"], meta["input_top_logprobs"] = \
+                    self._logprob_triples(self.input_logprobs)
         if out.finish is not None:
             meta["e2e_latency"] = self.timing.e2e_latency
             meta["first_token_latency"] = self.timing.first_token_latency
@@ -104,7 +132,7 @@ class Dispatcher:
             raise DuplicateRid(f"Duplicate request ID {dup!r} is already in flight.")
         states = []
         for req in reqs:
-            state = self.states[req.rid] = RequestState(req.rid)
+            state = self.states[req.rid] = RequestState(req.rid, req.logprob)
             self.to_tokenizer.send(req)
             states.append(state)
         return states

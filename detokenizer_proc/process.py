@@ -16,8 +16,8 @@ import zmq
 
 from detokenizer_proc.incremental import DecodeStream
 from wire.addresses import Addresses
-from wire.messages import (FinishReason, ReleaseRequest, TextBatch, TextOutput, TokenBatch,
-                           TokenOutput)
+from wire.messages import (FinishReason, Logprobs, ReleaseRequest, TextBatch, TextOutput,
+                           TokenBatch, TokenOutput)
 from wire.proc import run_child
 from wire.server_args import ServerArgs
 from wire.sockets import Inbox, Outbox
@@ -66,8 +66,7 @@ class Detokenizer:
             outs.append(out)
         return TextBatch(outs, batch.load), release
 
-    @staticmethod
-    def _step(st: RidState, o: TokenOutput) -> TextOutput:
+    def _step(self, st: RidState, o: TokenOutput) -> TextOutput:
         delta = st.stream.push(o.new_ids, finished=o.finish is not None)
         used = o.new_ids[:delta.num_ids]
         st.completion_tokens += len(used)
@@ -77,7 +76,22 @@ class Detokenizer:
         return TextOutput(rid=o.rid, text=delta.text, new_ids=used, finish=finish,
                           prompt_tokens=o.prompt_tokens,
                           completion_tokens=st.completion_tokens,
-                          cached_tokens=o.cached_tokens, queue_time=o.queue_time)
+                          cached_tokens=o.cached_tokens, queue_time=o.queue_time,
+                          logprobs=self._with_texts(o.logprobs, len(used)),
+                          input_logprobs=self._with_texts(o.input_logprobs, None))
+
+    def _with_texts(self, lp: Logprobs | None, keep: int | None) -> Logprobs | None:
+        """Trim to the ids actually used and add each token's own text (SGLang decodes
+        every id alone, so a piece of a multi-byte character shows as U+FFFD)."""
+        if lp is None:
+            return None
+        if keep is not None and keep < len(lp.token_ids):
+            lp = Logprobs(lp.token_ids[:keep], lp.logprobs[:keep], lp.top_ids[:keep],
+                          lp.top_logprobs[:keep])
+        decode = self.tokenizer.decode
+        lp.texts = [decode([t]) for t in lp.token_ids]
+        lp.top_texts = [[decode([t]) for t in ids] for ids in lp.top_ids]
+        return lp
 
 
 def main(args: ServerArgs, addrs: Addresses, conn: Connection) -> None:

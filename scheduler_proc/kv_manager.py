@@ -36,7 +36,7 @@ class KVManager:
         req.row = self.table.allocate()
         if self.cache is None:
             return
-        slots, node = self.cache.match_prefix(req.token_ids(0, req.seq_len - 1))
+        slots, node = self.cache.match_prefix(req.token_ids(0, req.max_prefix_match))
         self.cache.lock(node)
         req.prefix_node, req.prefix_len = node, len(slots)
         req.slots = list(slots)

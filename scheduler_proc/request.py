@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from wire.messages import DecodeParams, FinishReason, TokenizedRequest
+from wire.messages import DecodeParams, FinishReason, LogprobRequest, Logprobs, TokenizedRequest
 from wire.sampling import SamplingParams
 
 
@@ -16,7 +16,8 @@ class Req:
 
     __slots__ = ("rid", "input_ids", "sampling", "stream", "output_ids", "slots", "row",
                  "prefix_node", "prefix_len", "cached_tokens", "arrived_at", "queue_time",
-                 "finish", "announced", "generator")
+                 "finish", "announced", "generator", "logprob", "input_logprobs",
+                 "pending_logprobs")
 
     def __init__(self, msg: TokenizedRequest):
         self.rid = msg.rid
@@ -35,6 +36,38 @@ class Req:
         self.announced = False               # has the detokenizer seen DecodeParams yet
         seed = msg.sampling.sampling_seed
         self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+        self.logprob: LogprobRequest | None = msg.logprob
+        self.pending_logprobs: Logprobs | None = None   # of the token sampled this step
+        self.input_logprobs = Logprobs()
+        self.reset_input_logprobs()
+
+    # ---- logprobs -------------------------------------------------------------------------
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.logprob is not None and self.logprob.start_len >= 0
+
+    def reset_input_logprobs(self) -> None:
+        """Start (or restart, after a retraction before the first output) the prompt's
+        logprobs; the first prompt token has none (SGLang's convention)."""
+        self.input_logprobs = Logprobs()
+        if self.wants_input_logprobs and self.logprob.start_len == 0:
+            self.input_logprobs = Logprobs(token_ids=self.input_ids[:1], logprobs=[None],
+                                           top_ids=[[]], top_logprobs=[[]])
+
+    def input_logprob_positions(self, start: int, end: int) -> tuple[int, int]:
+        """Of positions start..end-1 computed this step, those whose logits score a prompt
+        token at or after logprob start_len: position p scores token p + 1."""
+        if not self.wants_input_logprobs or self.announced:
+            return 0, 0
+        return max(start, max(self.logprob.start_len, 1) - 1), min(end, len(self.input_ids) - 1)
+
+    @property
+    def max_prefix_match(self) -> int:
+        """Cached positions must not cover positions whose logits are still needed."""
+        if self.wants_input_logprobs and not self.announced:
+            return max(self.logprob.start_len - 1, 0)
+        return self.seq_len - 1
 
     @property
     def seq_len(self) -> int:

@@ -17,7 +17,7 @@ from scheduler_proc.attention import StepAttention
 from scheduler_proc.models import ModelConfig, load_model
 from scheduler_proc.pool import KVCache, ReqToToken, TokenPool
 from scheduler_proc.request import Req
-from scheduler_proc.sampler import SamplingBatch, sample
+from scheduler_proc.sampler import sample_tokens, token_logprobs
 from wire.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class ModelRunner:
         self.config = ModelConfig.from_dir(args.model_path)
         self.context_len = args.context_length or self.config.max_position_embeddings
         self.model = load_model(args.model_path, self.dtype, self.device)
+        self.eos_ids = list(self.config.eos_token_ids)
         c = self.config
         self.pool_size = args.max_total_tokens or self._default_pool_size(args)
         self.pool = TokenPool(self.pool_size)
@@ -75,15 +76,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, segments: list[Segment]) -> list[int]:
-        """Run one step. Decode segments (length 1) must come first. Slots for this step's
-        tokens must already be in each req.slots / the request table."""
+        """Run one step and return one sampled id per sampling segment, in segment order.
+        Decode segments (length 1) must come first; slots for this step's tokens must
+        already be in each req.slots / the request table. Logprobs, when requested, are
+        appended to req.pending_logprobs / req.input_logprobs."""
         ids: list[int] = []
         positions: list[int] = []
         out_slots: list[int] = []
         decode_rows, decode_lens, prefills = [], [], []
         sample_rows: list[int] = []
+        scored: list[tuple[Req, int, int, int]] = []   # (req, first row, positions lo, hi)
         for seg in segments:
             req, end = seg.req, seg.start + seg.length
+            first_row = len(ids)
             ids += req.token_ids(seg.start, end)
             positions += range(seg.start, end)
             out_slots += req.slots[seg.start:end]
@@ -94,15 +99,29 @@ class ModelRunner:
                 prefills.append((req.row, seg.start, seg.length))
             if seg.sample:
                 sample_rows.append(len(ids) - 1)
+            lo, hi = req.input_logprob_positions(seg.start, end)
+            if lo < hi:
+                scored.append((req, first_row + lo - seg.start, lo, hi))
         attn = StepAttention.build(self.cache, self.req_to_token.table, out_slots, decode_rows,
                                    decode_lens, prefills, self.device)
         hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device),
                             torch.tensor(positions, dtype=torch.int64, device=self.device),
                             attn)
+        for req, row, lo, hi in scored:
+            self._score_prompt(req, hidden[row:row + hi - lo], req.token_ids(lo + 1, hi + 1))
         if not sample_rows:
             return []
         logits = self.model.compute_logits(hidden[sample_rows])
         reqs = [s.req for s in segments if s.sample]
-        batch = SamplingBatch.from_params([r.sampling for r in reqs], logits.shape[-1],
-                                          self.device)
-        return sample(logits, batch, [r.generator for r in reqs]).tolist()
+        next_ids = sample_tokens(logits, reqs, self.eos_ids)
+        for i, req in enumerate(reqs):
+            if req.logprob is not None:
+                req.pending_logprobs = token_logprobs(logits[i:i + 1], [next_ids[i]],
+                                                      req.logprob.top_logprobs_num)
+        return next_ids
+
+    def _score_prompt(self, req: Req, hidden: torch.Tensor, targets: list[int]) -> None:
+        """Input logprobs: row j's logits score the prompt token that follows it."""
+        lp = token_logprobs(self.model.compute_logits(hidden), targets,
+                            req.logprob.top_logprobs_num)
+        req.input_logprobs.extend(lp)

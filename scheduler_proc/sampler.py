@@ -2,7 +2,7 @@
 
 Order of operations for one decode step (the scheduler's job to call them in this order):
   1. `apply_penalties(logits, batch, output_counts)`  frequency/presence/repetition, logit_bias
-  2. (not yet) min_new_tokens: mask EOS/stop tokens of requests still under their minimum
+  2. min_new_tokens: mask EOS/stop tokens of requests still under their minimum
   3. `sample(logits, batch, generators)`               greedy or temperature/top-k/top-p/min-p
 
 Filtering semantics, per non-greedy row, on p = softmax(logits / temperature):
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from wire.messages import Logprobs
 from wire.sampling import SamplingParams
 
 
@@ -166,3 +167,54 @@ def _filter(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.need_min_p:            # column 0 is the max, which top-k and top-p always keep
         sorted_p = sorted_p.masked_fill(sorted_p < min_ps * sorted_p[:, :1], 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+
+
+def output_counts(outputs: list[list[int]], vocab_size: int,
+                  device: torch.device | str) -> torch.Tensor:
+    """[B, V] float32: how often each token occurs in each row's output so far."""
+    counts = torch.zeros((len(outputs), vocab_size), dtype=torch.float32, device=device)
+    rows = [i for i, out in enumerate(outputs) for _ in out]
+    if rows:
+        ids = [t for out in outputs for t in out]
+        counts.index_put_((torch.tensor(rows, device=device), torch.tensor(ids, device=device)),
+                          torch.ones(len(rows), device=device), accumulate=True)
+    return counts
+
+
+def sample_tokens(logits: torch.Tensor, reqs, eos_ids: list[int]) -> list[int]:
+    """The scheduler's entry point: penalties and logit_bias, then min_new_tokens (the
+    tokens that would stop a request are banned until it has its minimum), then `sample`.
+    `reqs` are the scheduler's requests (sampling, output_ids, generator). `logits` is left
+    untouched (logprobs are reported from the raw distribution)."""
+    params = [r.sampling for r in reqs]
+    batch = SamplingBatch.from_params(params, logits.shape[-1], logits.device)
+    if batch.need_penalties:
+        counts = None
+        if (batch.frequency_penalties is not None or batch.presence_penalties is not None
+                or batch.repetition_penalties is not None):
+            counts = output_counts([r.output_ids for r in reqs], logits.shape[-1],
+                                   logits.device)
+        logits = apply_penalties(logits.clone(), batch, counts)
+    banned = [(i, t) for i, r in enumerate(reqs)
+              if len(r.output_ids) < r.sampling.min_new_tokens
+              for t in (*([] if r.sampling.ignore_eos else eos_ids),
+                        *r.sampling.stop_token_ids)]
+    if banned:
+        rows, ids = zip(*banned)
+        logits = logits.clone()
+        logits[list(rows), list(ids)] = float("-inf")
+    return sample(logits, batch, [r.generator for r in reqs]).tolist()
+
+
+def token_logprobs(logits: torch.Tensor, targets: list[int], top_n: int) -> Logprobs:
+    """Logprobs of `targets` (one per row) under log_softmax(logits), and each row's top_n."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    rows = torch.arange(len(targets), device=logits.device)
+    chosen = logp[rows, torch.tensor(targets, device=logits.device)].tolist()
+    out = Logprobs(token_ids=list(targets), logprobs=chosen)
+    if top_n > 0:
+        values, ids = logp.topk(min(top_n, logp.shape[-1]), dim=-1)
+        out.top_ids, out.top_logprobs = ids.tolist(), values.tolist()
+    else:
+        out.top_ids, out.top_logprobs = [[] for _ in targets], [[] for _ in targets]
+    return out

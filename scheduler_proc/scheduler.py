@@ -98,8 +98,6 @@ class Scheduler:
                 "abort", status_code=400,
                 message=f"The request needs {req.max_total_tokens} KV slots (prompt + "
                         f"max_new_tokens) but the pool has {self.runner.pool_size}."))
-        elif req.sampling.max_new_tokens == 0:
-            self.finish(req, FinishReason("length", length=0))
         else:
             self.waiting.append(req)
 
@@ -140,8 +138,7 @@ class Scheduler:
             if n == 0 or n > self.kv.available:
                 continue
             budget -= n if todo > 1 else 0
-            self.kv.extend(req, n)
-            segments.append(Segment(req, req.num_computed - n, n, sample=n == todo))
+            segments.append(self._segment(req, n, todo))
         room = self.kv.available - self.reserved()
         while (self.waiting and budget > 0 and
                len(self.running) < self.args.max_running_requests and
@@ -155,8 +152,7 @@ class Scheduler:
             todo = req.seq_len - req.num_computed
             n = min(todo, budget)
             budget -= n
-            self.kv.extend(req, n)
-            segments.append(Segment(req, req.num_computed - n, n, sample=n == todo))
+            segments.append(self._segment(req, n, todo))
             room = self.kv.available - self.reserved()
         now = time.monotonic()
         for seg in segments:
@@ -167,6 +163,13 @@ class Scheduler:
                                        self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         segments.sort(key=lambda s: s.length != 1)   # decode rows first (see attention.py)
         return segments
+
+    def _segment(self, req: Req, n: int, todo: int) -> Segment:
+        """Give req slots for its next n positions. The segment samples when it reaches the
+        newest token, unless the request is prefill-only (max_new_tokens 0)."""
+        self.kv.extend(req, n)
+        return Segment(req, req.num_computed - n, n,
+                       sample=n == todo and req.sampling.max_new_tokens > 0)
 
     def step_need(self) -> int:
         """Slots this step needs at least: one per decoding request, plus the next chunk of
@@ -182,6 +185,8 @@ class Scheduler:
 
     def retract(self, req: Req) -> None:
         self.kv.release(req)
+        if not req.announced:
+            req.reset_input_logprobs()
         self.running.remove(req)
         self.waiting.appendleft(req)
         self.retracted_total += 1
@@ -191,6 +196,10 @@ class Scheduler:
     # ---- results ------------------------------------------------------------------------
 
     def finish_step(self, segments: list[Segment], next_ids: list[int]) -> None:
+        for seg in segments:        # prefill-only requests end once their prompt is cached
+            req = seg.req
+            if req.sampling.max_new_tokens == 0 and req.num_computed == req.seq_len:
+                self.finish(req, FinishReason("length", length=0))
         sampled = [s.req for s in segments if s.sample]
         self.generated_tokens_total += len(next_ids)
         for req, token in zip(sampled, next_ids):
@@ -221,10 +230,14 @@ class Scheduler:
         self.emit(req, new_ids or [], reason)
 
     def emit(self, req: Req, new_ids: list[int], finish: FinishReason | None) -> None:
+        first = not req.announced
         self.outputs.append(TokenOutput(
             rid=req.rid, new_ids=new_ids, finish=finish, prompt_tokens=len(req.input_ids),
             cached_tokens=req.cached_tokens or 0, queue_time=req.queue_time,
-            decode=None if req.announced else req.decode_params()))
+            decode=req.decode_params() if first else None,
+            logprobs=req.pending_logprobs if new_ids else None,
+            input_logprobs=req.input_logprobs if first and req.wants_input_logprobs else None))
+        req.pending_logprobs = None
         req.announced = True
 
     # ---- introspection ------------------------------------------------------------------

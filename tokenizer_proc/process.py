@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import zmq
 
@@ -26,15 +27,40 @@ class RequestError(ValueError):
     """A request the client got wrong; its message is shown to the client."""
 
 
+def load_chat_template(arg: str | None) -> str | None:
+    """--chat-template is a file path or the template itself."""
+    if arg is None:
+        return None
+    path = Path(arg)
+    return path.read_text() if path.is_file() else arg
+
+
 class Tokenizer:
-    def __init__(self, tokenizer_path: str, vocab_size: int, context_len: int):
+    def __init__(self, tokenizer_path: str, vocab_size: int, context_len: int,
+                 chat_template: str | None = None):
         from transformers import AutoTokenizer
         self.tok = AutoTokenizer.from_pretrained(tokenizer_path)
+        if chat_template is not None:
+            self.tok.chat_template = chat_template
         self.vocab_size = vocab_size
         self.context_len = context_len
 
+    def apply_chat_template(self, messages) -> list[int]:
+        if not self.tok.chat_template:
+            raise RequestError("This model has no chat template; pass --chat-template.")
+        try:
+            out = self.tok.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in messages],
+                add_generation_prompt=True, tokenize=True)
+        except Exception as e:   # jinja raises its own types (e.g. raise_exception in templates)
+            raise RequestError(f"The chat template failed on these messages: {e}") from None
+        # transformers returns a list, or a BatchEncoding-like mapping in some versions.
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
     def tokenize(self, req: GenerateRequest) -> TokenizedRequest:
-        if req.input_ids is not None:
+        if req.messages is not None:
+            ids = self.apply_chat_template(req.messages)
+        elif req.input_ids is not None:
             ids = req.input_ids
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
@@ -59,7 +85,8 @@ class Tokenizer:
         if bad is not None:
             raise RequestError(f"stop_token_ids contains {bad}, outside the vocabulary "
                                f"[0, {self.vocab_size}).")
-        return TokenizedRequest(rid=req.rid, input_ids=ids, sampling=s, stream=req.stream)
+        return TokenizedRequest(rid=req.rid, input_ids=ids, sampling=s, stream=req.stream,
+                                logprob=req.logprob)
 
 
 def main(args: ServerArgs, addrs: Addresses, conn: Connection) -> None:
@@ -67,7 +94,7 @@ def main(args: ServerArgs, addrs: Addresses, conn: Connection) -> None:
         from scheduler_proc.models.config import ModelConfig
         config = ModelConfig.from_dir(args.model_path)
         tokenizer = Tokenizer(args.resolved_tokenizer_path, config.vocab_size,
-                              args.context_length)
+                              args.context_length, load_chat_template(args.chat_template))
         ctx = zmq.Context()
         inbox = Inbox(ctx, addrs.tokenizer)
         to_scheduler = Outbox(ctx, addrs.scheduler)

@@ -38,18 +38,57 @@ class FinishReason:
         return out
 
 
+@dataclass(slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(slots=True)
+class LogprobRequest:
+    """What logprobs a request wants (SGLang's return_logprob / top_logprobs_num /
+    logprob_start_len). start_len -1: no input logprobs."""
+
+    top_logprobs_num: int = 0
+    start_len: int = -1
+
+
+@dataclass(slots=True)
+class Logprobs:
+    """Logprobs of a run of positions: one entry per token. The scheduler fills ids and
+    values; the detokenizer adds the token texts."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)   # None: the first prompt token
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    top_texts: list[list[str]] = field(default_factory=list)
+
+    def extend(self, other: "Logprobs") -> None:
+        self.token_ids += other.token_ids
+        self.logprobs += other.logprobs
+        self.top_ids += other.top_ids
+        self.top_logprobs += other.top_logprobs
+        self.texts += other.texts
+        self.top_texts += other.top_texts
+
+
 # ---- api -> tokenizer ---------------------------------------------------------------------
 
 @dataclass(slots=True)
 class GenerateRequest:
     """One prompt to run, after the API has normalized and validated the HTTP body.
-    Exactly one of text / input_ids is set."""
+    Exactly one of text / input_ids / messages is set (messages: the tokenizer applies the
+    chat template)."""
 
     rid: str
     text: str | None
     input_ids: list[int] | None
     sampling: SamplingParams
     stream: bool = False
+    messages: list[ChatMessage] | None = None
+    logprob: LogprobRequest | None = None
 
 
 # ---- api -> tokenizer -> scheduler ---------------------------------------------------------
@@ -78,6 +117,7 @@ class TokenizedRequest:
     input_ids: list[int]
     sampling: SamplingParams
     stream: bool = False
+    logprob: LogprobRequest | None = None
 
 
 # ---- detokenizer -> scheduler --------------------------------------------------------------
@@ -111,6 +151,8 @@ class TokenOutput:
     cached_tokens: int
     queue_time: float | None            # seconds queued before the first forward (scheduler clock)
     decode: DecodeParams | None = None  # set on the rid's first output only
+    logprobs: Logprobs | None = None    # of new_ids, when requested
+    input_logprobs: Logprobs | None = None   # of the prompt from start_len, first output only
 
 
 @dataclass(slots=True)
@@ -159,6 +201,8 @@ class TextOutput:
     completion_tokens: int = 0          # cumulative; counts a matched EOS / stop token
     cached_tokens: int = 0
     queue_time: float | None = None
+    logprobs: Logprobs | None = None
+    input_logprobs: Logprobs | None = None
 
 
 @dataclass(slots=True)

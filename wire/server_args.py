@@ -20,6 +20,10 @@ class ServerArgs:
     model_path: str | None = _opt(None, "Hugging Face model directory. Default: the built-in "
                                   "tiny demo model, built on first use.")
     tokenizer_path: str | None = _opt(None, "Tokenizer directory (default: the model path).")
+    served_model_name: str | None = _opt(None, "Model id in the OpenAI API (default: the model "
+                                         "path).")
+    chat_template: str | None = _opt(None, "A Jinja chat template file (or inline template) "
+                                     "overriding the tokenizer's.")
     host: str = _opt("127.0.0.1", "HTTP host to bind.")
     port: int = _opt(30000, "HTTP port.")
     device: str = _opt("cpu", "Device for the model: cpu or cuda.", choices=["cpu", "cuda"])
@@ -66,6 +70,10 @@ class ServerArgs:
             raise SystemExit("--max-total-tokens must be positive")
         if not 0 < self.mem_fraction_static <= 1:
             raise SystemExit("--mem-fraction-static must be in (0, 1]")
+
+    @property
+    def model_id(self) -> str:
+        return self.served_model_name or self.model_path  # type: ignore[return-value]
 
     @property
     def resolved_tokenizer_path(self) -> str:
