@@ -1,0 +1,1 @@
+"""zserve benchmarks: checkpoint builder and throughput comparison (not tests)."""
