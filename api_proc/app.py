@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from api_proc.native import BadRequest, GenerateHandler, error_response, read_json
+from api_proc.openai_api import OpenAIHandler
 from api_proc.state import Dispatcher
 from wire.server_args import ServerArgs
 
@@ -79,7 +80,8 @@ def build_app(args: ServerArgs, dispatcher: Dispatcher, scheduler_info: dict) ->
             task.cancel()
 
     routes = [
-        Route("/generate", GenerateHandler(dispatcher, args.incremental_streaming_output).handle,
+        Route("/generate", GenerateHandler(dispatcher, args.incremental_streaming_output,
+                                           not args.disable_radix_cache).handle,
               methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/model_info", model_info, methods=["GET"]),
@@ -88,5 +90,6 @@ def build_app(args: ServerArgs, dispatcher: Dispatcher, scheduler_info: dict) ->
         Route("/get_server_info", server_info, methods=["GET"]),
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/flush_cache", flush_cache, methods=["POST", "GET"]),
+        *OpenAIHandler(args, dispatcher).routes(),
     ]
     return Starlette(routes=routes, lifespan=lifespan)

@@ -129,12 +129,14 @@ def parse_generate(body: Any) -> ParsedGenerate:
 
 
 def _logprob(body: dict) -> tuple[LogprobRequest | None, bool]:
-    want = body.get("return_logprob", False)
-    top = body.get("top_logprobs_num", 0)
-    start = body.get("logprob_start_len", -1)
-    text = body.get("return_text_in_logprobs", False)
-    if not isinstance(want, bool) or not isinstance(text, bool):
-        raise BadRequest("return_logprob and return_text_in_logprobs must be booleans.")
+    def get(key, default):
+        value = body.get(key)
+        return default if value is None else value
+    want, text = get("return_logprob", False), get("return_text_in_logprobs", False)
+    top, start = get("top_logprobs_num", 0), get("logprob_start_len", -1)
+    for key, value in (("return_logprob", want), ("return_text_in_logprobs", text)):
+        if not isinstance(value, bool):
+            raise BadRequest(f"{key} must be a boolean, got {value!r}.")
     if not _is_int(top) or top < 0:
         raise BadRequest(f"top_logprobs_num must be a non-negative integer, got {top!r}.")
     if not _is_int(start) or start < -1:
@@ -154,6 +156,22 @@ async def wait_disconnect(request: Request) -> None:
     """Returns when the client goes away (the body has been read already)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def unless_disconnect(request: Request, work) -> bool:
+    """Run `work` unless the client disconnects first. True if it completed (its exception,
+    if any, propagates); False if the client left and `work` was cancelled."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        return False
+    task.result()
+    return True
 
 
 def item_json(state: RequestState, incremental: bool = False) -> dict:
@@ -178,7 +196,7 @@ class GenerateHandler:
             return None
         states = self.dispatcher.submit(parsed.warmups)
         started = min(s.timing.created_at for s in states)
-        if not await self._until_done(request, asyncio.gather(
+        if not await unless_disconnect(request, asyncio.gather(
                 *(s.wait_finished() for s in states))):
             self.dispatcher.abort_unfinished(states)
             raise BadRequest("The client went away.", 499)
@@ -205,24 +223,10 @@ class GenerateHandler:
             return await self.stream(request, states, parsed.is_batch)
         return await self.unary(request, states, parsed.is_batch)
 
-    async def _until_done(self, request: Request, work) -> bool:
-        """Run `work` unless the client disconnects first. True if it completed."""
-        task = asyncio.ensure_future(work)
-        gone = asyncio.ensure_future(wait_disconnect(request))
-        try:
-            await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not task.done():
-            task.cancel()
-            return False
-        task.result()
-        return True
-
     async def unary(self, request: Request, states: list[RequestState],
                     is_batch: bool) -> Response:
         # gather drains every item concurrently and keeps input order.
-        done = await self._until_done(request, asyncio.gather(
+        done = await unless_disconnect(request, asyncio.gather(
             *(s.wait_finished() for s in states)))
         if not done:
             self.dispatcher.abort_unfinished(states)
@@ -236,7 +240,7 @@ class GenerateHandler:
     async def stream(self, request: Request, states: list[RequestState],
                      is_batch: bool) -> Response:
         # Wait for each item's first output so a rejected prompt is a plain HTTP error.
-        done = await self._until_done(request, asyncio.gather(*(s.next() for s in states)))
+        done = await unless_disconnect(request, asyncio.gather(*(s.next() for s in states)))
         if not done:
             self.dispatcher.abort_unfinished(states)
             return Response(status_code=499)

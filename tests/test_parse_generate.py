@@ -8,7 +8,7 @@ import re
 import pytest
 
 from api_proc.native import BadRequest, parse_generate
-from wire.messages import GenerateRequest
+from wire.messages import GenerateRequest, LogprobRequest
 from wire.sampling import SamplingParams
 
 EITHER = "Either text or input_ids should be provided."
@@ -112,13 +112,23 @@ def test_stream_is_carried_to_every_request(stream):
     assert [r.stream for r in p.requests] == [stream] * 4
 
 
+def test_logprob_request_is_built():
+    p = parse_generate({"text": "a", "return_logprob": True, "top_logprobs_num": 5,
+                        "logprob_start_len": 3, "return_text_in_logprobs": True})
+    assert p.requests[0].logprob == LogprobRequest(top_logprobs_num=5, start_len=3)
+    assert p.text_in_logprobs is True
+    # Without return_logprob the other keys change nothing.
+    assert parse_generate({"text": "a", "top_logprobs_num": 5}).requests[0].logprob is None
+
+
 @pytest.mark.parametrize("key, value", [
-    ("return_logprob", True), ("top_logprobs_num", 5), ("logprob_start_len", 3),
-    ("return_logprob", [True]),
+    ("return_logprob", [True]), ("return_logprob", 1), ("top_logprobs_num", -1),
+    ("top_logprobs_num", 1.5), ("logprob_start_len", -2), ("logprob_start_len", "0"),
+    ("return_text_in_logprobs", "yes"),
 ])
-def test_logprobs_are_rejected_as_not_supported_yet(key, value):
-    err = _bad({"text": "a", key: value})
-    assert str(err) == f"{key} is not supported yet."
+def test_bad_logprob_options_are_rejected(key, value):
+    err = _bad({"text": "a", "return_logprob": True, key: value})
+    assert key in str(err)
 
 
 @pytest.mark.parametrize("key, value", [

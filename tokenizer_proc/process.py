@@ -8,6 +8,7 @@ same path as any other output. Aborts pass through to the scheduler in order.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -71,6 +72,9 @@ class Tokenizer:
         if not ids:
             raise RequestError("The input is empty.")
         n, s = len(ids), req.sampling
+        if req.fit_context and n + s.max_new_tokens >= self.context_len:
+            room = max(self.context_len - n - 1, 0)
+            s = replace(s, max_new_tokens=room, min_new_tokens=min(s.min_new_tokens, room))
         if n >= self.context_len:
             raise RequestError(f"The input ({n} tokens) is longer than the model's context "
                                f"length ({self.context_len} tokens).")

@@ -89,6 +89,7 @@ class GenerateRequest:
     stream: bool = False
     messages: list[ChatMessage] | None = None
     logprob: LogprobRequest | None = None
+    fit_context: bool = False   # lower max_new_tokens to what the context leaves (chat default)
 
 
 # ---- api -> tokenizer -> scheduler ---------------------------------------------------------

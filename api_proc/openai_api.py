@@ -1,0 +1,681 @@
+"""OpenAI-compatible routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
+
+A body becomes one GenerateRequest per prompt per sample (n=1 each; choice index =
+prompt * n + sample), built through `SamplingParams.from_json` so a bad value gets SGLang's
+message, as on /generate. Errors use OpenAI's nested shape with the right HTTP status.
+
+RequestState keeps only the newest output, so each choice is consumed through `_Choice`,
+which also accumulates what the OpenAI shapes need and RequestState drops (the logprobs of
+every output).
+
+Choices made where OpenAI, vLLM and SGLang leave room (README lists them):
+- `model` may be omitted; any other name than the served one is a 404.
+- completions: `max_tokens` null means 16, OpenAI's default. chat: no `max_tokens` /
+  `max_completion_tokens` means "until the context length" (vLLM, SGLang): the API process
+  renders the chat template itself to count the prompt.
+- `seed` with n > 1: sample j uses seed + j, so the samples differ yet are reproducible.
+- Text content parts are joined with "\n" (vLLM); any other part type is a 400.
+- Unknown fields are ignored (as vLLM and SGLang do); known OpenAI features we do not have
+  (tools, response_format other than text, suffix, best_of != n, ...) are a 400.
+- finish_reason: length -> "length", stop -> "stop" (plus SGLang's `matched_stop`), an abort
+  with no HTTP status (e.g. /abort_request) -> "abort"; an abort with a status is an error
+  response, or an `{"error": ...}` event in a stream that has started.
+- Logprobs: at most 20 (vLLM's default max). Completions' `top_logprobs` dicts hold the top
+  k plus the sampled token (vLLM), so `logprobs: 0` gives the sampled token only.
+  `echo` with `logprobs` also returns the prompt's logprobs (first one null), as vLLM.
+  -inf is sent as -9999.0 (JSON has no infinity).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from api_proc.native import BadRequest, read_json, unless_disconnect
+from api_proc.state import Dispatcher, DuplicateRid, RequestState
+from wire.messages import (ChatMessage, FinishReason, GenerateRequest, LogprobRequest,
+                           Logprobs, TextOutput)
+from wire.sampling import SamplingParams
+from wire.server_args import ServerArgs
+
+log = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+MIN_LOGPROB = -9999.0
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError",
+               403: "PermissionDeniedError", 404: "NotFoundError", 409: "ConflictError",
+               422: "UnprocessableEntityError", 429: "RateLimitError",
+               503: "ServiceUnavailableError"}
+
+# OpenAI field (or SGLang extra) -> sampling_params key. max_tokens is handled apart.
+SAMPLING_FIELDS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty", "stop": "stop",
+    "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
+    "spaces_between_special_tokens": "spaces_between_special_tokens",
+    "no_stop_trim": "no_stop_trim", "seed": "sampling_seed", "min_tokens": "min_new_tokens",
+    "logit_bias": "logit_bias", "n": "n",
+}
+
+
+class OpenAIError(BadRequest):
+    """A client error in OpenAI's shape: `param` names the offending field when known."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message, status)
+        self.param = param
+
+
+def error_json(message: str, status: int, param: str | None = None) -> dict:
+    kind = ERROR_TYPES.get(status, "InternalServerError" if status >= 500 else
+                           "BadRequestError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_json(message, status, param), status_code=status)
+
+
+# ---- body parsing ----------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class ParsedOpenAI:
+    """A validated OpenAI body: the GenerateRequests in choice order and how to answer."""
+
+    requests: list[GenerateRequest]
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None         # completions: top k; chat: top_logprobs (None: no logprobs)
+    echo: list[str | list[int]] | None = None   # completions with echo: each prompt
+
+
+def _check_model(body: dict, model_id: str) -> None:
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise OpenAIError("model must be a string.", param="model")
+    if model != model_id:
+        raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
+
+
+def _bool_field(body: dict, key: str) -> bool:
+    value = body.get(key)
+    if value is None:
+        return False
+    if type(value) is not bool:
+        raise OpenAIError(f"{key} must be a boolean.", param=key)
+    return value
+
+
+def _stream_options(body: dict, stream: bool) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not stream:
+        raise OpenAIError("The 'stream_options' parameter is only allowed when 'stream' is "
+                          "enabled.", param="stream_options")
+    if not isinstance(opts, dict):
+        raise OpenAIError("stream_options must be an object.", param="stream_options")
+    include = opts.get("include_usage")
+    if include is not None and type(include) is not bool:
+        raise OpenAIError("stream_options.include_usage must be a boolean.",
+                          param="stream_options")
+    return bool(include)
+
+
+def _reject_unsupported(body: dict, checks: dict[str, Any]) -> None:
+    """checks: field -> predicate that is True for the values we accept."""
+    for key, ok in checks.items():
+        if key in body and body[key] is not None and not ok(body[key]):
+            raise OpenAIError(f"{key}={json.dumps(body[key])} is not supported.", param=key)
+
+
+def _sampling(body: dict, max_tokens_key: str | None,
+              default_max_tokens: int | None) -> SamplingParams:
+    """The SGLang sampling dict from the OpenAI fields, validated by from_json."""
+    raw: dict[str, Any] = {}
+    for field, key in SAMPLING_FIELDS.items():
+        if body.get(field) is not None:
+            raw[key] = body[field]
+    max_tokens = body.get(max_tokens_key) if max_tokens_key else None
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    if max_tokens is not None:
+        raw["max_new_tokens"] = max_tokens
+    try:
+        return SamplingParams.from_json(raw)
+    except ValueError as e:
+        raise OpenAIError(str(e), param=_param_of(str(e), max_tokens_key)) from None
+
+
+def _param_of(message: str, max_tokens_key: str | None) -> str | None:
+    """The OpenAI field a SamplingParams message is about, when it names one."""
+    names = {v: k for k, v in SAMPLING_FIELDS.items()}
+    names["max_new_tokens"] = max_tokens_key or "max_tokens"
+    for key, field in names.items():
+        if message.startswith(key + " ") or f"sampling_params.{key}" in message or \
+                f"'{key}'" in message:
+            return field
+    return None
+
+
+def _per_sample(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """n=1 copies; with a seed, sample j gets seed + j so the samples differ."""
+    out = []
+    for j in range(n):
+        seed = params.sampling_seed
+        if seed is not None and j > 0:
+            seed = (seed + j) % 2**64
+        out.append(replace(params, n=1, sampling_seed=seed))
+    return out
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and len(x) > 0 and all(type(t) is int for t in x)
+
+
+def _prompts(body: dict) -> list[str | list[int]]:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise OpenAIError("prompt is required.", param="prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if _is_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt) or all(_is_ids(p) for p in prompt):
+            return list(prompt)
+    raise OpenAIError("prompt must be a string, a non-empty list of strings, a non-empty "
+                      "list of token ids, or a non-empty list of such lists.", param="prompt")
+
+
+def _logprobs_num(body: dict, key: str) -> int:
+    value = body[key]
+    if type(value) is not int or not 0 <= value <= MAX_LOGPROBS:
+        raise OpenAIError(f"{key} must be an integer in [0, {MAX_LOGPROBS}], got "
+                          f"{json.dumps(value)}.", param=key)
+    return value
+
+
+def parse_completion(body: Any, model_id: str) -> ParsedOpenAI:
+    if not isinstance(body, dict):
+        raise OpenAIError("The request body must be a JSON object.")
+    _check_model(body, model_id)
+    _reject_unsupported(body, {"suffix": lambda v: v == "",
+                               "best_of": lambda v: v == body.get("n", 1) or v == 1})
+    prompts = _prompts(body)
+    stream = _bool_field(body, "stream")
+    include_usage = _stream_options(body, stream)
+    echo = _bool_field(body, "echo")
+    logprobs = None if body.get("logprobs") is None else _logprobs_num(body, "logprobs")
+    params = _sampling(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
+    logprob_req = None
+    if logprobs is not None:
+        logprob_req = LogprobRequest(top_logprobs_num=logprobs, start_len=0 if echo else -1)
+    reqs, base = [], uuid.uuid4().hex
+    for prompt in prompts:
+        for one in _per_sample(params, params.n):
+            reqs.append(GenerateRequest(
+                rid=f"cmpl-{base}_{len(reqs)}", text=prompt if isinstance(prompt, str) else None,
+                input_ids=None if isinstance(prompt, str) else prompt, sampling=one,
+                stream=stream, logprob=logprob_req))
+    return ParsedOpenAI(reqs, params.n, stream, include_usage, logprobs,
+                        echo=prompts if echo else None)
+
+
+def _content_text(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise OpenAIError(f"messages[{i}].content: only text content parts are "
+                                  f"supported, got {json.dumps(kind)}.", param="messages")
+            if not isinstance(part.get("text"), str):
+                raise OpenAIError(f"messages[{i}].content: a text part needs a string "
+                                  f"'text'.", param="messages")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise OpenAIError(f"messages[{i}].content must be a string or a list of content parts.",
+                      param="messages")
+
+
+def _messages(body: dict) -> list[ChatMessage]:
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise OpenAIError("messages must be a non-empty list.", param="messages")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
+            raise OpenAIError(f"messages[{i}] must be an object with a string 'role'.",
+                              param="messages")
+        content = m.get("content")
+        if content is None and m["role"] != "assistant":
+            raise OpenAIError(f"messages[{i}] ({m['role']}) needs content.",
+                              param="messages")
+        out.append(ChatMessage(m["role"], "" if content is None else _content_text(content, i)))
+    return out
+
+
+def parse_chat(body: Any, model_id: str, context_length: int) -> ParsedOpenAI:
+    if not isinstance(body, dict):
+        raise OpenAIError("The request body must be a JSON object.")
+    _check_model(body, model_id)
+    _reject_unsupported(body, {
+        "tools": lambda v: v == [], "functions": lambda v: v == [],
+        "tool_choice": lambda v: v == "none", "function_call": lambda v: v == "none",
+        "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
+        "add_generation_prompt": lambda v: v is True,
+        "continue_final_message": lambda v: v is False,
+        "chat_template_kwargs": lambda v: v == {}, "audio": lambda v: False,
+        "modalities": lambda v: v == ["text"]})
+    messages = _messages(body)
+    stream = _bool_field(body, "stream")
+    include_usage = _stream_options(body, stream)
+    want_logprobs = _bool_field(body, "logprobs")
+    top = None
+    if body.get("top_logprobs") is not None:
+        top = _logprobs_num(body, "top_logprobs")
+        if not want_logprobs:
+            raise OpenAIError("top_logprobs requires logprobs to be true.",
+                              param="top_logprobs")
+    logprobs = (top or 0) if want_logprobs else None
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else \
+        "max_tokens"
+    unset = body.get(key) is None
+    # Unset: checked against the most it can be; the tokenizer process fits it to the room
+    # the templated prompt leaves (fit_context).
+    params = _sampling(body, key, context_length - 1 if unset else None)
+    logprob_req = None if logprobs is None else LogprobRequest(top_logprobs_num=logprobs)
+    base = uuid.uuid4().hex
+    reqs = [GenerateRequest(rid=f"chatcmpl-{base}_{j}", text=None, input_ids=None,
+                            sampling=one, stream=stream, messages=messages,
+                            logprob=logprob_req, fit_context=unset)
+            for j, one in enumerate(_per_sample(params, params.n))]
+    return ParsedOpenAI(reqs, params.n, stream, include_usage, logprobs)
+
+
+# ---- consuming outputs -----------------------------------------------------------------------
+
+def _extend(acc: Logprobs, lp: Logprobs) -> None:
+    acc.token_ids += lp.token_ids
+    acc.logprobs += lp.logprobs
+    acc.top_ids += lp.top_ids
+    acc.top_logprobs += lp.top_logprobs
+    acc.texts += lp.texts
+    acc.top_texts += lp.top_texts
+
+
+class _Choice:
+    """One choice: its request's state plus every output's logprobs (RequestState keeps only
+    the newest output). `fresh` holds the logprobs not yet sent in a stream."""
+
+    __slots__ = ("index", "state", "logprobs", "input_logprobs", "fresh")
+
+    def __init__(self, index: int, state: RequestState):
+        self.index = index
+        self.state = state
+        self.logprobs = Logprobs()
+        self.input_logprobs: Logprobs | None = None
+        self.fresh = Logprobs()
+
+    async def next(self) -> TextOutput:
+        out = await self.state.next()
+        if out.logprobs is not None:
+            _extend(self.logprobs, out.logprobs)
+            _extend(self.fresh, out.logprobs)
+        if out.input_logprobs is not None:
+            if self.input_logprobs is None:
+                self.input_logprobs = Logprobs()
+            _extend(self.input_logprobs, out.input_logprobs)
+        return out
+
+    async def wait_finished(self) -> None:
+        while not self.state.finished:
+            await self.next()
+
+    def take_fresh(self) -> Logprobs:
+        fresh, self.fresh = self.fresh, Logprobs()
+        return fresh
+
+
+def _finish_reason(finish: FinishReason | None) -> str | None:
+    if finish is None:
+        return None
+    return {"length": "length", "stop": "stop"}.get(finish.type, "abort")
+
+
+def _matched_stop(finish: FinishReason | None) -> int | str | None:
+    if finish is None or finish.type != "stop":
+        return None
+    return finish.matched_str if finish.matched_str is not None else finish.matched_token
+
+
+def _usage(choices: list[_Choice], n: int) -> dict:
+    """Prompt tokens count once per prompt, not once per sample."""
+    prompt = sum(c.state.last.prompt_tokens for c in choices if c.index % n == 0)
+    completion = sum(c.state.last.completion_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _lp(value: float | None) -> float | None:
+    return None if value is None else max(value, MIN_LOGPROB)
+
+
+def _token_text(lp: Logprobs, i: int) -> str:
+    return lp.texts[i] if i < len(lp.texts) else f"token_id:{lp.token_ids[i]}"
+
+
+def _top_pairs(lp: Logprobs, i: int) -> list[tuple[str, float]]:
+    ids = lp.top_ids[i] if i < len(lp.top_ids) else []
+    values = lp.top_logprobs[i] if i < len(lp.top_logprobs) else []
+    texts = lp.top_texts[i] if i < len(lp.top_texts) else []
+    return [(texts[j] if j < len(texts) else f"token_id:{tid}", _lp(values[j]))
+            for j, tid in enumerate(ids) if j < len(values)]
+
+
+def completion_logprobs(lp: Logprobs, offset: int) -> tuple[dict, int]:
+    """OpenAI's completions logprobs for these tokens, text offsets from `offset`. Returns the
+    object and the offset after the last token."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                            "text_offset": []}
+    for i in range(len(lp.token_ids)):
+        text, value = _token_text(lp, i), _lp(lp.logprobs[i] if i < len(lp.logprobs) else None)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(value)
+        if value is None:
+            out["top_logprobs"].append(None)
+        else:
+            top: dict[str, float] = {}
+            for t, v in _top_pairs(lp, i):     # best first: a text shared by ids keeps it
+                top.setdefault(t, v)
+            top.setdefault(text, value)
+            out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out, offset
+
+
+def chat_logprobs(lp: Logprobs) -> dict:
+    def entry(text: str, value: float | None) -> dict:
+        return {"token": text, "logprob": MIN_LOGPROB if value is None else value,
+                "bytes": list(text.encode("utf-8"))}
+    content = []
+    for i in range(len(lp.token_ids)):
+        e = entry(_token_text(lp, i), _lp(lp.logprobs[i] if i < len(lp.logprobs) else None))
+        e["top_logprobs"] = [entry(t, v) for t, v in _top_pairs(lp, i)]
+        content.append(e)
+    return {"content": content}
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _LocalTokenizer:
+    """The API process's own tokenizer, loaded on first use and run on one thread (HF fast
+    tokenizers are not safe to share across threads). Used only for the text of token-id
+    prompts that a completion with echo must prepend."""
+
+    def __init__(self, args: ServerArgs):
+        self.args = args
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openai-tokenizer")
+        self.tok = None
+
+    def _load(self):
+        if self.tok is None:
+            from tokenizer_proc.process import Tokenizer, load_chat_template
+            self.tok = Tokenizer(self.args.resolved_tokenizer_path, 0,
+                                 self.args.context_length,
+                                 load_chat_template(self.args.chat_template))
+        return self.tok
+
+    async def _run(self, fn, *a):
+        def call():
+            return fn(self._load(), *a)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, call)
+
+    async def decode(self, ids: list[int]) -> str:
+        def decode(t, x):
+            try:
+                return t.tok.decode(x, skip_special_tokens=False)
+            except Exception as e:     # e.g. an id outside the vocabulary
+                raise OpenAIError(f"The prompt's token ids cannot be decoded: {e}",
+                                  param="prompt") from None
+        return await self._run(decode, ids)
+
+
+
+# ---- the routes ------------------------------------------------------------------------------
+
+class OpenAIHandler:
+    def __init__(self, args: ServerArgs, dispatcher: Dispatcher):
+        self.args = args
+        self.dispatcher = dispatcher
+        self.created = int(time.time())
+        self.tokenizer = _LocalTokenizer(args)
+
+    def routes(self) -> list[Route]:
+        return [Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"])]
+
+    async def models(self, _: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.args.model_id, "object": "model", "created": self.created,
+            "owned_by": "zserve", "root": self.args.model_path, "parent": None,
+            "max_model_len": self.args.context_length}]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._handle(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._handle(request, chat=True)
+
+    async def _handle(self, request: Request, chat: bool) -> Response:
+        try:
+            body = await read_json(request)
+            if chat:
+                parsed = parse_chat(body, self.args.model_id, self.args.context_length)
+            else:
+                parsed = parse_completion(body, self.args.model_id)
+            echo = await self._echo_texts(parsed)
+            if self.dispatcher.lost:
+                raise OpenAIError(f"Server unhealthy: {self.dispatcher.lost}", 503)
+            states = self.dispatcher.submit(parsed.requests)
+        except OpenAIError as e:
+            return error_response(str(e), e.status, e.param)
+        except (BadRequest, DuplicateRid) as e:
+            return error_response(str(e), getattr(e, "status", 400))
+        reply = _Reply(self.args.model_id, chat, parsed, echo,
+                       [_Choice(i, s) for i, s in enumerate(states)])
+        if parsed.stream:
+            return await self._stream(request, reply)
+        return await self._unary(request, reply)
+
+    async def _echo_texts(self, parsed: ParsedOpenAI) -> list[str] | None:
+        """Per choice, the text echo prepends (token-id prompts are decoded here)."""
+        if parsed.echo is None:
+            return None
+        texts = [p if isinstance(p, str) else await self.tokenizer.decode(p)
+                 for p in parsed.echo]
+        return [t for t in texts for _ in range(parsed.n)]
+
+    async def _unary(self, request: Request, reply: "_Reply") -> Response:
+        done = await unless_disconnect(request, asyncio.gather(
+            *(c.wait_finished() for c in reply.choices)))
+        states = [c.state for c in reply.choices]
+        if not done:
+            self.dispatcher.abort_unfinished(states)
+            return Response(status_code=499)
+        failed = next((s for s in states if s.error is not None), None)
+        if failed is not None:
+            return error_response(failed.error.message, failed.error.status_code)
+        return JSONResponse(reply.unary())
+
+    async def _stream(self, request: Request, reply: "_Reply") -> Response:
+        # Wait for each choice's first output so a rejected prompt is a plain HTTP error.
+        done = await unless_disconnect(request, asyncio.gather(
+            *(c.next() for c in reply.choices)))
+        states = [c.state for c in reply.choices]
+        if not done:
+            self.dispatcher.abort_unfinished(states)
+            return Response(status_code=499)
+        failed = next((s for s in states if s.error is not None), None)
+        if failed is not None:
+            self.dispatcher.abort_unfinished(states)
+            return error_response(failed.error.message, failed.error.status_code)
+        return StreamingResponse(self._events(reply), media_type="text/event-stream")
+
+    async def _events(self, reply: "_Reply") -> AsyncIterator[str]:
+        merged: asyncio.Queue[list[dict] | FinishReason] = asyncio.Queue()
+
+        async def pump(choice: _Choice) -> None:
+            try:
+                first = True
+                while True:
+                    if choice.state.error is not None:
+                        merged.put_nowait(choice.state.error)
+                        return
+                    merged.put_nowait(reply.chunks(choice, choice.state.last, first))
+                    first = False
+                    if choice.state.finished:
+                        return
+                    await choice.next()
+            except Exception as e:       # a bug here must end the stream, not hang it
+                log.exception("OpenAI stream of %s failed", choice.state.rid)
+                merged.put_nowait(FinishReason("abort", message=f"Internal error: {e}",
+                                               status_code=500))
+
+        states = [c.state for c in reply.choices]
+        pumps = [asyncio.ensure_future(pump(c)) for c in reply.choices]
+        try:
+            remaining = len(pumps)
+            while remaining:
+                item = await merged.get()
+                if isinstance(item, FinishReason):
+                    yield _sse(error_json(item.message or "The request failed.",
+                                          item.status_code or 500))
+                    break
+                for chunk in item:
+                    if chunk["choices"][0]["finish_reason"] is not None:
+                        remaining -= 1
+                    yield _sse(chunk)
+            else:
+                if reply.parsed.include_usage:
+                    yield _sse(reply.envelope([], usage=reply.usage()))
+            yield "data: [DONE]\n\n"
+        finally:
+            for p in pumps:
+                p.cancel()
+            self.dispatcher.abort_unfinished(states)
+
+
+class _Reply:
+    """Builds the response objects of one OpenAI request from its choices."""
+
+    def __init__(self, model: str, chat: bool, parsed: ParsedOpenAI,
+                 echo: list[str] | None, choices: list[_Choice]):
+        self.model = model
+        self.chat = chat
+        self.parsed = parsed
+        self.echo = echo
+        self.choices = choices
+        self.id = parsed.requests[0].rid.rsplit("_", 1)[0]
+        self.created = int(time.time())
+        self.offsets = [0] * len(choices)         # completions: text_offset so far, per choice
+
+    def usage(self) -> dict:
+        return _usage(self.choices, self.parsed.n)
+
+    def envelope(self, choices: list[dict], usage: dict | None = None) -> dict:
+        obj = "chat.completion" if self.chat else "text_completion"
+        if self.parsed.stream and self.chat:
+            obj = "chat.completion.chunk"
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+               "system_fingerprint": None, "choices": choices}
+        if usage is not None or not self.parsed.stream or self.parsed.include_usage:
+            out["usage"] = usage
+        return out
+
+    def _completion_logprobs(self, c: _Choice, lp: Logprobs, with_prompt: bool) -> dict | None:
+        if self.parsed.logprobs is None:
+            return None
+        if not with_prompt:
+            obj, self.offsets[c.index] = completion_logprobs(lp, self.offsets[c.index])
+            return obj
+        # The first logprobs of a choice: with echo, the prompt's tokens come first (offsets
+        # from 0) and the generated ones start after the echoed text.
+        prompt = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if self.echo:
+            if c.input_logprobs is not None:
+                prompt, _ = completion_logprobs(c.input_logprobs, 0)
+            self.offsets[c.index] = len(self.echo[c.index])
+        obj, self.offsets[c.index] = completion_logprobs(lp, self.offsets[c.index])
+        return {k: prompt[k] + obj[k] for k in obj}
+
+    def unary(self) -> dict:
+        items = []
+        for c in self.choices:
+            last = c.state.last
+            item: dict[str, Any] = {"index": c.index}
+            if self.chat:
+                item["message"] = {"role": "assistant", "content": c.state.text}
+                item["logprobs"] = None if self.parsed.logprobs is None else \
+                    chat_logprobs(c.logprobs)
+            else:
+                item["text"] = (self.echo[c.index] if self.echo else "") + c.state.text
+                item["logprobs"] = self._completion_logprobs(c, c.logprobs, True)
+            item["finish_reason"] = _finish_reason(last.finish)
+            item["matched_stop"] = _matched_stop(last.finish)
+            items.append(item)
+        return self.envelope(items, usage=self.usage())
+
+    def chunks(self, c: _Choice, out: TextOutput, first: bool) -> list[dict]:
+        """The stream chunks for one output of a choice (possibly none)."""
+        lp = c.take_fresh()
+        finish = _finish_reason(out.finish)
+        if self.chat:
+            return self._chat_chunks(c, out, first, lp, finish)
+        text = (self.echo[c.index] if first and self.echo else "") + out.text
+        if not text and finish is None and not lp.token_ids:
+            return []
+        item = {"index": c.index, "text": text,
+                "logprobs": self._completion_logprobs(c, lp, first),
+                "finish_reason": finish, "matched_stop": _matched_stop(out.finish)}
+        return [self.envelope([item])]
+
+    def _chat_chunks(self, c: _Choice, out: TextOutput, first: bool, lp: Logprobs,
+                     finish: str | None) -> list[dict]:
+        def chunk(delta: dict, logprobs: dict | None = None, finish_reason=None,
+                  matched=None) -> dict:
+            return self.envelope([{"index": c.index, "delta": delta, "logprobs": logprobs,
+                                   "finish_reason": finish_reason, "matched_stop": matched}])
+        chunks = []
+        if first:
+            chunks.append(chunk({"role": "assistant", "content": ""}))
+        if out.text or lp.token_ids:
+            logprobs = None if self.parsed.logprobs is None else chat_logprobs(lp)
+            chunks.append(chunk({"content": out.text}, logprobs))
+        if finish is not None:
+            chunks.append(chunk({}, None, finish, _matched_stop(out.finish)))
+        return chunks
