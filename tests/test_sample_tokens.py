@@ -1,0 +1,93 @@
+"""Statistical tests of the scheduler's sampling entry point (sample_tokens): logit_bias,
+penalties and min_new_tokens applied to a known distribution before drawing."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from scheduler_proc.sampler import sample_tokens, token_logprobs
+from wire.sampling import SamplingParams
+
+V = 8
+DRAWS = 20000
+TOL = 0.015
+
+
+@dataclass
+class FakeReq:
+    sampling: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+
+def frequencies(logits: torch.Tensor, req: FakeReq, eos=()) -> torch.Tensor:
+    torch.manual_seed(0)
+    reqs = [req] * DRAWS
+    ids = sample_tokens(logits.expand(DRAWS, V).clone(), reqs, list(eos))
+    return torch.bincount(torch.tensor(ids), minlength=V).float() / DRAWS
+
+
+def expected(logits: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(logits, dim=-1)
+
+
+def test_logit_bias_shifts_the_distribution():
+    logits = torch.zeros(1, V)
+    req = FakeReq(SamplingParams.from_json({"logit_bias": {"3": math.log(3.0)}}))
+    want = expected(torch.tensor([[0, 0, 0, math.log(3.0), 0, 0, 0, 0]]))[0]
+    assert abs(want[3].item() - 3 / 10) < 1e-6
+    assert torch.allclose(frequencies(logits, req), want, atol=TOL)
+
+
+def test_frequency_and_presence_penalties_follow_output_counts():
+    logits = torch.zeros(1, V)
+    outputs = [1, 1, 2]                       # token 1 twice, token 2 once
+    req = FakeReq(SamplingParams.from_json({"frequency_penalty": 0.5,
+                                            "presence_penalty": 0.25}), outputs)
+    shifted = torch.zeros(1, V)
+    shifted[0, 1] = -(0.5 * 2 + 0.25)
+    shifted[0, 2] = -(0.5 * 1 + 0.25)
+    assert torch.allclose(frequencies(logits, req), expected(shifted)[0], atol=TOL)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = torch.tensor([[1.0, -1.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    req = FakeReq(SamplingParams.from_json({"repetition_penalty": 2.0}), [0, 1])
+    want = torch.tensor([[0.5, -2.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    assert torch.allclose(frequencies(logits, req), expected(want)[0], atol=TOL)
+
+
+def test_min_new_tokens_bans_stop_tokens_then_releases_them():
+    logits = torch.zeros(1, V)
+    params = SamplingParams.from_json({"min_new_tokens": 2, "stop_token_ids": [5]})
+    early = frequencies(logits, FakeReq(params, [0]), eos=[7])
+    assert early[5] == 0 and early[7] == 0
+    assert torch.allclose(early[[0, 1, 2, 3, 4, 6]], torch.full((6,), 1 / 6), atol=TOL)
+    late = frequencies(logits, FakeReq(params, [0, 1]), eos=[7])
+    assert torch.allclose(late, torch.full((V,), 1 / V), atol=TOL)
+    ignoring_eos = SamplingParams.from_json({"min_new_tokens": 2, "ignore_eos": True})
+    assert frequencies(logits, FakeReq(ignoring_eos, []), eos=[7])[7] > 0
+
+
+def test_sample_tokens_leaves_the_logits_untouched():
+    logits = torch.randn(2, V)
+    before = logits.clone()
+    reqs = [FakeReq(SamplingParams.from_json({"logit_bias": {"1": 5}, "frequency_penalty": 1,
+                                              "min_new_tokens": 3, "stop_token_ids": [2]}),
+                    [1, 1])] * 2
+    sample_tokens(logits, reqs, [0])
+    assert torch.equal(logits, before)
+
+
+def test_token_logprobs_are_log_softmax_and_sorted_tops():
+    logits = torch.randn(3, V)
+    lp = token_logprobs(logits, [1, 4, 7], top_n=3)
+    ref = torch.log_softmax(logits, dim=-1)
+    assert lp.token_ids == [1, 4, 7]
+    for i, t in enumerate([1, 4, 7]):
+        assert abs(lp.logprobs[i] - ref[i, t].item()) < 1e-6
+        assert lp.top_logprobs[i] == sorted(lp.top_logprobs[i], reverse=True)
+        assert lp.top_ids[i][0] == ref[i].argmax().item()
