@@ -120,11 +120,14 @@ def parse_generate(body: Any) -> ParsedGenerate:
                 rid=uuid.uuid4().hex, text=prompt if kind == "text" else None,
                 input_ids=prompt if kind == "input_ids" else None,
                 sampling=replace(one, max_new_tokens=0)))
-        for _ in range(n):
+        for j in range(n):
+            # With a seed, sample j draws with seed + j: reproducible, yet the n differ.
+            seeded = one if one.sampling_seed is None or n == 1 else \
+                replace(one, sampling_seed=(one.sampling_seed + j) % 2**64)
             reqs.append(GenerateRequest(
                 rid=rids[len(reqs)], text=prompt if kind == "text" else None,
-                input_ids=prompt if kind == "input_ids" else None, sampling=one, stream=stream,
-                logprob=logprob))
+                input_ids=prompt if kind == "input_ids" else None, sampling=seeded,
+                stream=stream, logprob=logprob))
     return ParsedGenerate(reqs, is_batch or len(reqs) > 1, stream, text_in_logprobs, warmups)
 
 

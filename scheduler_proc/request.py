@@ -35,7 +35,7 @@ class Req:
         self.finish: FinishReason | None = None
         self.announced = False               # has the detokenizer seen DecodeParams yet
         seed = msg.sampling.sampling_seed
-        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+        self.generator = None if seed is None else torch.Generator().manual_seed(seed % 2**64)
         self.logprob: LogprobRequest | None = msg.logprob
         self.pending_logprobs: Logprobs | None = None   # of the token sampled this step
         self.input_logprobs = Logprobs()

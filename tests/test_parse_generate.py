@@ -260,3 +260,10 @@ def test_single_prompt_with_n_is_a_batch_response():
 def test_n_one_single_is_not_a_batch():
     p = parse_generate({"text": "a", "sampling_params": {"n": 1}})
     assert not p.is_batch and len(p.requests) == 1
+
+
+def test_n_samples_with_a_seed_get_consecutive_seeds():
+    p = parse_generate({"text": "a", "sampling_params": {"n": 3, "sampling_seed": 10}})
+    assert [r.sampling.sampling_seed for r in p.requests] == [10, 11, 12]
+    single = parse_generate({"text": "a", "sampling_params": {"sampling_seed": 10}})
+    assert single.requests[0].sampling.sampling_seed == 10
