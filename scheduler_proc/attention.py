@@ -70,18 +70,11 @@ class StepAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:
-        k_buf, v_buf = self.cache.k[layer], self.cache.v[layer]
-        k_buf[self.out_slots] = k
-        v_buf[self.out_slots] = v
+        self.cache.write(layer, self.out_slots, k, v)
         out = torch.empty_like(q)
         b = self.num_decode
         if b:
-            # q: [B, H, 1, D]; keys: [B, Hkv, T, D]
-            keys = k_buf[self.decode_index].transpose(1, 2)
-            values = v_buf[self.decode_index].transpose(1, 2)
-            o = F.scaled_dot_product_attention(q[:b].unsqueeze(2), keys, values,
-                                               attn_mask=self.decode_mask, enable_gqa=True)
-            out[:b] = o.squeeze(2)
+            out[:b] = self._decode(layer, q[:b])
         # Prefill: 4-D [1, H, L, D] inputs, the layout transformers uses (on CPU the 3-D
         # path rounds differently in bf16).
         for s in self.prefills:
@@ -91,7 +84,7 @@ class StepAttention:
                 ks, vs = k[rows], v[rows]
                 mask, causal = None, True
             else:                                            # a cached prefix, then this chunk
-                ks, vs = k_buf[s.kv_index], v_buf[s.kv_index]
+                ks, vs = self.cache.gather(layer, s.kv_index)
                 mask, causal = s.mask, False
             o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0),
                                                vs.transpose(0, 1).unsqueeze(0),
@@ -99,3 +92,15 @@ class StepAttention:
                                                enable_gqa=True)
             out[rows] = o[0].transpose(0, 1)
         return out
+
+    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """One query per row against its own positions: [B, H, D] -> [B, H, D]. Half
+        precision is attended in float32: the CPU kernel is faster there (and exact)."""
+        keys, values = self.cache.gather(layer, self.decode_index)     # [B, T, Hkv, D]
+        dtype = q.dtype
+        if dtype != torch.float32 and q.device.type == "cpu":
+            q, keys, values = q.float(), keys.float(), values.float()
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2),
+                                           values.transpose(1, 2),
+                                           attn_mask=self.decode_mask, enable_gqa=True)
+        return o.squeeze(2).to(dtype)

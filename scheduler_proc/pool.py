@@ -53,13 +53,24 @@ class TokenPool:
 
 
 class KVCache:
-    """Per-layer K and V buffers of shape [size + 1, num_kv_heads, head_dim] (row 0: padding)."""
+    """One buffer per layer of shape [size + 1, 2, num_kv_heads, head_dim]: a slot's K and V
+    sit side by side, so one row gather fetches both (row 0: padding)."""
 
     def __init__(self, num_layers: int, size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
-        shape = (size + 1, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (size + 1, 2, num_kv_heads, head_dim)
+        self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        buf = self.kv[layer]
+        buf[:, 0].index_copy_(0, slots, k)
+        buf[:, 1].index_copy_(0, slots, v)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `slots` (any shape S...): two [*S, num_kv_heads, head_dim] views."""
+        rows = self.kv[layer].index_select(0, slots.reshape(-1))
+        rows = rows.view(*slots.shape, *rows.shape[1:])
+        return rows.select(-3, 0), rows.select(-3, 1)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,

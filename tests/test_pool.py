@@ -192,8 +192,20 @@ def test_bytes_per_token_matches_allocated_buffers():
     layers, size, heads, dim = 2, 5, 3, 4
     for dtype in (torch.float32, torch.bfloat16):
         cache = KVCache(layers, size, heads, dim, dtype, "cpu")
-        assert len(cache.k) == len(cache.v) == layers
-        assert all(t.shape == (size + 1, heads, dim) and t.dtype == dtype
-                   for t in cache.k + cache.v)
-        total = sum(t.numel() * t.element_size() for t in cache.k + cache.v)
+        assert len(cache.kv) == layers
+        assert all(t.shape == (size + 1, 2, heads, dim) and t.dtype == dtype
+                   for t in cache.kv)
+        total = sum(t.numel() * t.element_size() for t in cache.kv)
         assert total == (size + 1) * KVCache.bytes_per_token(layers, heads, dim, dtype)
+
+
+def test_kv_cache_write_then_gather_returns_what_was_written():
+    cache = KVCache(2, 10, 3, 4, torch.float32, "cpu")
+    k, v = torch.randn(3, 3, 4), torch.randn(3, 3, 4)
+    slots = torch.tensor([7, 2, 9])
+    cache.write(1, slots, k, v)
+    gk, gv = cache.gather(1, torch.tensor([[9, 7], [2, 0]]))
+    assert gk.shape == gv.shape == (2, 2, 3, 4)
+    assert torch.equal(gk[0, 0], k[2]) and torch.equal(gv[0, 1], v[0])
+    assert torch.equal(gk[1, 0], k[1]) and not gk[1, 1].any()     # slot 0: padding
+    assert not cache.kv[0].any()                                  # other layers untouched
