@@ -18,7 +18,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from multiprocessing.connection import wait
 
 import setproctitle
@@ -103,16 +102,13 @@ class Children:
         threading.Thread(target=watch, name="supervisor", daemon=True).start()
 
     def stop(self) -> None:
+        """Children ignore SIGTERM (see wire/proc.py) and keep no state: kill them."""
         self.stopping = True
         for p in self.procs.values():
             if p.is_alive():
-                p.terminate()
-        deadline = time.monotonic() + CHILD_STOP_TIMEOUT
-        for p in self.procs.values():
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
                 p.kill()
-                p.join()
+        for p in self.procs.values():
+            p.join(CHILD_STOP_TIMEOUT)
 
 
 class Shutdown(Exception):

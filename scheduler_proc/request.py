@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from scheduler_proc.sampler import seeded_generator
 from wire.messages import DecodeParams, FinishReason, LogprobRequest, Logprobs, TokenizedRequest
 from wire.sampling import SamplingParams
 
@@ -19,7 +20,7 @@ class Req:
                  "finish", "announced", "generator", "logprob", "input_logprobs",
                  "pending_logprobs")
 
-    def __init__(self, msg: TokenizedRequest):
+    def __init__(self, msg: TokenizedRequest, device: torch.device | str = "cpu"):
         self.rid = msg.rid
         self.input_ids: list[int] = msg.input_ids
         self.sampling: SamplingParams = msg.sampling
@@ -35,7 +36,8 @@ class Req:
         self.finish: FinishReason | None = None
         self.announced = False               # has the detokenizer seen DecodeParams yet
         seed = msg.sampling.sampling_seed
-        self.generator = None if seed is None else torch.Generator().manual_seed(seed % 2**64)
+        # On the model's device: torch.multinomial needs a generator where the probs are.
+        self.generator = None if seed is None else seeded_generator(seed % 2**64, device)
         self.logprob: LogprobRequest | None = msg.logprob
         self.pending_logprobs: Logprobs | None = None   # of the token sampled this step
         self.input_logprobs = Logprobs()

@@ -77,7 +77,7 @@ class Scheduler:
 
     def handle(self, msg) -> None:
         if isinstance(msg, TokenizedRequest):
-            self.add(Req(msg))
+            self.add(Req(msg, self.runner.device))
         elif isinstance(msg, AbortRequest):
             self.abort(msg)
         elif isinstance(msg, ReleaseRequest):

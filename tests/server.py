@@ -42,7 +42,8 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, str(REPO / "launch.py"), *model_args,
              "--port", str(self.port), "--log-level", "warning", *extra],
-            cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+            cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+            start_new_session=True)     # its own process group, as under a shell's job control
         self.client = httpx.Client(base_url=self.url, timeout=120.0)
         self._wait_healthy()
         self.children = psutil.Process(self.proc.pid).children(recursive=True)

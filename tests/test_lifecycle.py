@@ -6,6 +6,7 @@ SIGTERM exits 0 and removes the ipc directory; an idle server uses (almost) no C
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -46,6 +47,22 @@ def test_processes_have_titles_and_sigterm_exits_cleanly(tiny_model, tmp_path):
         assert s.terminate() == 0
         assert gone(procs, 10)
         assert not list(tmp_path.glob("zserve-*/")), "the ipc directory was not removed"
+    finally:
+        s.kill()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_the_whole_process_group_exits_cleanly(tiny_model, tmp_path, sig):
+    """Ctrl-C in a terminal or `timeout`/`kill -- -PGID` signal every process of the group:
+    the children must not look crashed, the launcher exits 0."""
+    s = Server(tiny_model("llama"), tmpdir=tmp_path)
+    try:
+        procs = [psutil.Process(s.proc.pid), *s.children]
+        os.killpg(s.proc.pid, sig)
+        assert s.proc.wait(timeout=30) == 0, s.logs()
+        assert gone(procs, 10)
+        assert "died" not in s.logs()
+        assert not list(tmp_path.glob("zserve-*/"))
     finally:
         s.kill()
 

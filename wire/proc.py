@@ -1,7 +1,9 @@
 """What every child process does the same way: title, logging, signals, the ready report.
 
 A child reports readiness (or the exception that stopped it) to launch.py over a pipe with
-msgpack bytes; nothing is pickled. Children ignore SIGINT (launch.py owns shutdown) and die
+msgpack bytes; nothing is pickled. Children ignore SIGINT and SIGTERM: launch.py owns
+shutdown (a Ctrl-C or a `kill` of the whole process group must not look like a crashed
+child) and stops them with SIGKILL; they hold nothing that needs flushing. They also die
 with their parent (PR_SET_PDEATHSIG), so a killed launcher never leaves orphans.
 """
 
@@ -27,7 +29,7 @@ def setup_child(name: str, log_level: str) -> None:
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format=f"[%(asctime)s {name}] %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
