@@ -96,10 +96,12 @@ class StepAttention:
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """One query per row against its own positions: [B, H, D] -> [B, H, D]. Half
         precision is attended in float32: the CPU kernel is faster there (and exact)."""
-        keys, values = self.cache.gather(layer, self.decode_index)     # [B, T, Hkv, D]
         dtype = q.dtype
-        if dtype != torch.float32 and q.device.type == "cpu":
-            q, keys, values = q.float(), keys.float(), values.float()
+        upcast = dtype != torch.float32 and q.device.type == "cpu"
+        keys, values = self.cache.gather(layer, self.decode_index,     # [B, T, Hkv, D]
+                                         torch.float32 if upcast else None)
+        if upcast:
+            q = q.float()
         o = F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2),
                                            values.transpose(1, 2),
                                            attn_mask=self.decode_mask, enable_gqa=True)

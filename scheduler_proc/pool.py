@@ -66,9 +66,13 @@ class KVCache:
         buf[:, 0].index_copy_(0, slots, k)
         buf[:, 1].index_copy_(0, slots, v)
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `slots` (any shape S...): two [*S, num_kv_heads, head_dim] views."""
+    def gather(self, layer: int, slots: torch.Tensor,
+               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `slots` (any shape S...): two [*S, num_kv_heads, head_dim] views,
+        converted to `dtype` in one pass if given."""
         rows = self.kv[layer].index_select(0, slots.reshape(-1))
+        if dtype is not None:
+            rows = rows.to(dtype)
         rows = rows.view(*slots.shape, *rows.shape[1:])
         return rows.select(-3, 0), rows.select(-3, 1)
 
