@@ -32,6 +32,10 @@ class BadRequest(ValueError):
         self.status = status
 
 
+def _raise(message: str, status: int) -> None:
+    raise BadRequest(message, status)
+
+
 def error_response(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
@@ -177,6 +181,21 @@ async def unless_disconnect(request: Request, work) -> bool:
     return True
 
 
+async def settle(request: Request, dispatcher: Dispatcher, states: list[RequestState], waits,
+                 error=error_response) -> Response | None:
+    """Await `waits` (one per state, drained concurrently) unless the client leaves.
+    Returns the response that ends the request early (499 when the client left, the
+    first item's HTTP error when one was rejected; the rest are aborted), or None to go on."""
+    if not await unless_disconnect(request, asyncio.gather(*waits)):
+        dispatcher.abort_unfinished(states)
+        return Response(status_code=499)
+    failed = next((s for s in states if s.error is not None), None)
+    if failed is not None:
+        dispatcher.abort_unfinished(states)
+        return error(failed.error.message, failed.error.status_code)
+    return None
+
+
 def item_json(state: RequestState, incremental: bool = False) -> dict:
     out = state.last
     assert out is not None
@@ -199,13 +218,10 @@ class GenerateHandler:
             return None
         states = self.dispatcher.submit(parsed.warmups)
         started = min(s.timing.created_at for s in states)
-        if not await unless_disconnect(request, asyncio.gather(
-                *(s.wait_finished() for s in states))):
-            self.dispatcher.abort_unfinished(states)
+        early = await settle(request, self.dispatcher, states,
+                             [s.wait_finished() for s in states], error=_raise)
+        if early is not None:                   # the client left
             raise BadRequest("The client went away.", 499)
-        failed = next((s for s in states if s.error is not None), None)
-        if failed is not None:
-            raise BadRequest(failed.error.message, failed.error.status_code)
         return started
 
     async def handle(self, request: Request) -> Response:
@@ -228,29 +244,20 @@ class GenerateHandler:
 
     async def unary(self, request: Request, states: list[RequestState],
                     is_batch: bool) -> Response:
-        # gather drains every item concurrently and keeps input order.
-        done = await unless_disconnect(request, asyncio.gather(
-            *(s.wait_finished() for s in states)))
-        if not done:
-            self.dispatcher.abort_unfinished(states)
-            return Response(status_code=499)
-        failed = next((s for s in states if s.error is not None), None)
-        if failed is not None:
-            return error_response(failed.error.message, failed.error.status_code)
+        # Every item is drained concurrently; the array keeps input order.
+        early = await settle(request, self.dispatcher, states,
+                             [s.wait_finished() for s in states])
+        if early is not None:
+            return early
         items = [item_json(s) for s in states]
         return JSONResponse(items if is_batch else items[0])
 
     async def stream(self, request: Request, states: list[RequestState],
                      is_batch: bool) -> Response:
         # Wait for each item's first output so a rejected prompt is a plain HTTP error.
-        done = await unless_disconnect(request, asyncio.gather(*(s.next() for s in states)))
-        if not done:
-            self.dispatcher.abort_unfinished(states)
-            return Response(status_code=499)
-        failed = next((s for s in states if s.error is not None), None)
-        if failed is not None:
-            self.dispatcher.abort_unfinished(states)
-            return error_response(failed.error.message, failed.error.status_code)
+        early = await settle(request, self.dispatcher, states, [s.next() for s in states])
+        if early is not None:
+            return early
         return StreamingResponse(self._frames(states, is_batch),
                                  media_type="text/event-stream")
 

@@ -41,7 +41,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from api_proc.native import BadRequest, read_json, unless_disconnect
+from api_proc.native import BadRequest, read_json, settle
 from api_proc.state import Dispatcher, DuplicateRid, RequestState
 from wire.messages import (ChatMessage, FinishReason, GenerateRequest, LogprobRequest,
                            Logprobs, TextOutput)
@@ -315,14 +315,6 @@ def parse_chat(body: Any, model_id: str, context_length: int) -> ParsedOpenAI:
 
 # ---- consuming outputs -----------------------------------------------------------------------
 
-def _extend(acc: Logprobs, lp: Logprobs) -> None:
-    acc.token_ids += lp.token_ids
-    acc.logprobs += lp.logprobs
-    acc.top_ids += lp.top_ids
-    acc.top_logprobs += lp.top_logprobs
-    acc.texts += lp.texts
-    acc.top_texts += lp.top_texts
-
 
 class _Choice:
     """One choice: its request's state plus every output's logprobs (RequestState keeps only
@@ -340,12 +332,12 @@ class _Choice:
     async def next(self) -> TextOutput:
         out = await self.state.next()
         if out.logprobs is not None:
-            _extend(self.logprobs, out.logprobs)
-            _extend(self.fresh, out.logprobs)
+            self.logprobs.extend(out.logprobs)
+            self.fresh.extend(out.logprobs)
         if out.input_logprobs is not None:
             if self.input_logprobs is None:
                 self.input_logprobs = Logprobs()
-            _extend(self.input_logprobs, out.input_logprobs)
+            self.input_logprobs.extend(out.input_logprobs)
         return out
 
     async def wait_finished(self) -> None:
@@ -521,29 +513,16 @@ class OpenAIHandler:
         return [t for t in texts for _ in range(parsed.n)]
 
     async def _unary(self, request: Request, reply: "_Reply") -> Response:
-        done = await unless_disconnect(request, asyncio.gather(
-            *(c.wait_finished() for c in reply.choices)))
-        states = [c.state for c in reply.choices]
-        if not done:
-            self.dispatcher.abort_unfinished(states)
-            return Response(status_code=499)
-        failed = next((s for s in states if s.error is not None), None)
-        if failed is not None:
-            return error_response(failed.error.message, failed.error.status_code)
-        return JSONResponse(reply.unary())
+        early = await settle(request, self.dispatcher, [c.state for c in reply.choices],
+                             [c.wait_finished() for c in reply.choices], error_response)
+        return early or JSONResponse(reply.unary())
 
     async def _stream(self, request: Request, reply: "_Reply") -> Response:
         # Wait for each choice's first output so a rejected prompt is a plain HTTP error.
-        done = await unless_disconnect(request, asyncio.gather(
-            *(c.next() for c in reply.choices)))
-        states = [c.state for c in reply.choices]
-        if not done:
-            self.dispatcher.abort_unfinished(states)
-            return Response(status_code=499)
-        failed = next((s for s in states if s.error is not None), None)
-        if failed is not None:
-            self.dispatcher.abort_unfinished(states)
-            return error_response(failed.error.message, failed.error.status_code)
+        early = await settle(request, self.dispatcher, [c.state for c in reply.choices],
+                             [c.next() for c in reply.choices], error_response)
+        if early is not None:
+            return early
         return StreamingResponse(self._events(reply), media_type="text/event-stream")
 
     async def _events(self, reply: "_Reply") -> AsyncIterator[str]:

@@ -3,7 +3,6 @@ launched server, checked against transformers where there is an oracle."""
 
 from __future__ import annotations
 
-import math
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
