@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from api_proc.state import Dispatcher, DuplicateRid, RequestState
-from wire.messages import GenerateRequest, LogprobRequest
+from wire.messages import MAX_TOP_LOGPROBS, GenerateRequest, LogprobRequest
 from wire.sampling import SamplingParams
 
 LOGPROB_KEYS = ("return_logprob", "top_logprobs_num", "logprob_start_len",
@@ -144,8 +144,9 @@ def _logprob(body: dict) -> tuple[LogprobRequest | None, bool]:
     for key, value in (("return_logprob", want), ("return_text_in_logprobs", text)):
         if not isinstance(value, bool):
             raise BadRequest(f"{key} must be a boolean, got {value!r}.")
-    if not _is_int(top) or top < 0:
-        raise BadRequest(f"top_logprobs_num must be a non-negative integer, got {top!r}.")
+    if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                         f"got {top!r}.")
     if not _is_int(start) or start < -1:
         raise BadRequest(f"logprob_start_len must be an integer >= -1, got {start!r}.")
     return (LogprobRequest(top_logprobs_num=top, start_len=start) if want else None), text

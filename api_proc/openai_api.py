@@ -43,14 +43,14 @@ from starlette.routing import Route
 
 from api_proc.native import BadRequest, read_json, settle
 from api_proc.state import Dispatcher, DuplicateRid, RequestState
-from wire.messages import (ChatMessage, FinishReason, GenerateRequest, LogprobRequest,
-                           Logprobs, TextOutput)
+from wire.messages import (MAX_TOP_LOGPROBS, ChatMessage, FinishReason, GenerateRequest,
+                           LogprobRequest, Logprobs, TextOutput)
 from wire.sampling import SamplingParams
 from wire.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = MAX_TOP_LOGPROBS
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MIN_LOGPROB = -9999.0
 

@@ -123,6 +123,7 @@ def test_logprob_request_is_built():
 
 @pytest.mark.parametrize("key, value", [
     ("return_logprob", [True]), ("return_logprob", 1), ("top_logprobs_num", -1),
+    ("top_logprobs_num", 21),
     ("top_logprobs_num", 1.5), ("logprob_start_len", -2), ("logprob_start_len", "0"),
     ("return_text_in_logprobs", "yes"),
 ])

@@ -44,6 +44,9 @@ class ChatMessage:
     content: str
 
 
+MAX_TOP_LOGPROBS = 20   # per position, on every route (vLLM's default max_logprobs)
+
+
 @dataclass(slots=True)
 class LogprobRequest:
     """What logprobs a request wants (SGLang's return_logprob / top_logprobs_num /
