@@ -42,6 +42,12 @@ def resolve_args(args: ServerArgs) -> ServerArgs:
     config = ModelConfig.from_dir(args.model_path)
     if args.context_length is None:
         args.context_length = config.max_position_embeddings
+    window = config.sliding_window
+    if window is not None and args.context_length > window:
+        # Attention here is full attention: exact only while sequences fit in the window.
+        log.warning("the model uses sliding-window attention (%d); serving a context length "
+                    "of %d instead of %d", window, window, args.context_length)
+        args.context_length = window
     return args
 
 
