@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from api_proc.state import Dispatcher, DuplicateRid, RequestState
+from api_proc.state import Dispatcher, RequestState, SubmitError
 from wire.messages import MAX_TOP_LOGPROBS, GenerateRequest, LogprobRequest
 from wire.sampling import SamplingParams
 
@@ -237,7 +237,7 @@ class GenerateHandler:
                     st.timing.created_at = started
             for st in states:
                 st.text_in_logprobs = parsed.text_in_logprobs
-        except (BadRequest, DuplicateRid) as e:
+        except (BadRequest, SubmitError) as e:
             return error_response(str(e), getattr(e, "status", 400))
         if parsed.stream:
             return await self.stream(request, states, parsed.is_batch)

@@ -42,7 +42,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from api_proc.native import BadRequest, read_json, settle
-from api_proc.state import Dispatcher, DuplicateRid, RequestState
+from api_proc.state import Dispatcher, RequestState, SubmitError
 from wire.messages import (MAX_TOP_LOGPROBS, ChatMessage, FinishReason, GenerateRequest,
                            LogprobRequest, Logprobs, TextOutput)
 from wire.sampling import SamplingParams
@@ -496,7 +496,7 @@ class OpenAIHandler:
             states = self.dispatcher.submit(parsed.requests)
         except OpenAIError as e:
             return error_response(str(e), e.status, e.param)
-        except (BadRequest, DuplicateRid) as e:
+        except (BadRequest, SubmitError) as e:
             return error_response(str(e), getattr(e, "status", 400))
         reply = _Reply(self.args.model_id, chat, parsed, echo,
                        [_Choice(i, s) for i, s in enumerate(states)])

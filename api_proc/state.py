@@ -19,13 +19,23 @@ from wire.addresses import Addresses
 from wire.messages import (AbortRequest, ControlReply, FinishReason, FlushCacheRequest,
                            GenerateRequest, LogprobRequest, Logprobs, SchedulerLoad, TextBatch,
                            TextOutput)
+from wire.codec import encode
 from wire.sockets import AsyncInbox, Outbox
 
 log = logging.getLogger(__name__)
 
 
-class DuplicateRid(ValueError):
+class SubmitError(ValueError):
+    """A request the dispatcher refuses; the message is for the client (HTTP 400)."""
+
+
+class DuplicateRid(SubmitError):
     pass
+
+
+class Unsendable(SubmitError):
+    """A request that passed validation but cannot be encoded (e.g. an int wider than
+    64 bits, a lone surrogate in a string): a client error, not a server one."""
 
 
 class RequestState:
@@ -130,10 +140,14 @@ class Dispatcher:
             dup = next(rid for rid in rids if rids.count(rid) > 1)
         if dup is not None:
             raise DuplicateRid(f"Duplicate request ID {dup!r} is already in flight.")
+        try:
+            frames = [encode(r) for r in reqs]
+        except (OverflowError, UnicodeEncodeError, ValueError, TypeError) as e:
+            raise Unsendable(f"The request has a value that cannot be processed: {e}") from None
         states = []
-        for req in reqs:
+        for req, frame in zip(reqs, frames):
             state = self.states[req.rid] = RequestState(req.rid, req.logprob)
-            self.to_tokenizer.send(req)
+            self.to_tokenizer.send_frame(frame)
             states.append(state)
         return states
 

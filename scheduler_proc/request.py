@@ -67,9 +67,10 @@ class Req:
     @property
     def max_prefix_match(self) -> int:
         """Cached positions must not cover positions whose logits are still needed."""
+        limit = self.seq_len - 1              # at least one position is always computed
         if self.wants_input_logprobs and not self.announced:
-            return max(self.logprob.start_len - 1, 0)
-        return self.seq_len - 1
+            limit = min(limit, max(self.logprob.start_len - 1, 0))
+        return limit
 
     @property
     def seq_len(self) -> int:

@@ -25,6 +25,9 @@ from wire.messages import Logprobs
 from wire.sampling import SamplingParams
 
 
+LOGIT_BIAS_LIMIT = 100.0
+
+
 @dataclass(slots=True)
 class SamplingBatch:
     """Per-row sampling tensors for one batch, built once by `from_params`. Greedy rows get
@@ -83,7 +86,9 @@ class SamplingBatch:
                 if 0 <= int(token_id) < vocab_size:   # verified upstream; never index past V
                     rows.append(i)
                     ids.append(int(token_id))
-                    vals.append(bias)
+                    # +-100 already decides any draw (OpenAI's range); more would overflow
+                    # float32 to inf and turn the softmax into NaN.
+                    vals.append(max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, bias)))
         if rows:
             batch.logit_bias = (torch.tensor(rows, dtype=torch.int64, device=device),
                                 torch.tensor(ids, dtype=torch.int64, device=device),

@@ -51,6 +51,7 @@ BAD_BODIES = [
     ({"text": "a", "sampling_params": {"min_p": 2}}, "min_p"),
     ({"text": "a", "sampling_params": {"bogus": 1}}, "bogus"),
     ({"text": "a", "sampling_params": {"stop": ["x"] * 33}}, "stop"),
+    ({"text": "a", "sampling_params": {"stop": ["x" * 257]}}, "at most 256 characters"),
     ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
     ({"text": "a", "stream": "yes"}, "stream"),
     ({"text": "a", "rid": 7}, "rid"),
@@ -87,6 +88,36 @@ def test_token_ids_outside_the_vocabulary(server):
     assert_400(server.generate(text="a", sampling_params={"stop_token_ids": [10 ** 6]}),
                "vocabulary")
     assert vocab["kv_pool"]["free"] == vocab["kv_pool"]["total"]
+
+
+HUGE = 10 ** 30   # wider than any int the wire carries
+
+
+@pytest.mark.parametrize("body,fragment", [
+    ({"input_ids": [HUGE]}, ""),
+    ({"text": "a", "sampling_params": {"stop_token_ids": [HUGE]}}, "stop_token_ids"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": HUGE}}, "max_new_tokens"),
+    ({"text": "a", "sampling_params": {"sampling_seed": HUGE}}, "sampling_seed"),
+    ({"text": "a", "sampling_params": {"logit_bias": {str(HUGE): 1.0}}}, "logit_bias"),
+    ({"text": "a", "sampling_params": {"logit_bias": {"100000": 1.0}}}, "logit_bias"),
+    ({"text": "a", "return_logprob": True, "logprob_start_len": HUGE}, ""),
+], ids=["input_ids", "stop_token_ids", "max_new_tokens", "seed", "logit_bias_huge",
+        "logit_bias_vocab", "logprob_start_len"])
+def test_out_of_range_numbers_are_400(server, body, fragment):
+    assert_400(server.generate(**body), fragment)
+
+
+def test_lone_surrogates_are_400(server):
+    # JSON allows "\ud800" escapes that are not valid Unicode; they cannot cross a socket.
+    for raw in (rb'{"text": "\ud800"}', rb'{"text": "a", "sampling_params": {"stop": ["\udfff"]}}'):
+        assert_400(post_raw(server, raw))
+
+
+def test_logprob_start_beyond_the_prompt_is_served(server):
+    out = server.generate_ok(input_ids=[5, 6, 7], return_logprob=True, logprob_start_len=1000,
+                             sampling_params={"max_new_tokens": 2})
+    assert out["meta_info"]["input_token_logprobs"] == []
+    assert len(out["meta_info"]["output_token_logprobs"]) == 2
 
 
 def test_bad_item_in_batch_fails_the_batch(server):

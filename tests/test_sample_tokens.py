@@ -91,3 +91,10 @@ def test_token_logprobs_are_log_softmax_and_sorted_tops():
         assert abs(lp.logprobs[i] - ref[i, t].item()) < 1e-6
         assert lp.top_logprobs[i] == sorted(lp.top_logprobs[i], reverse=True)
         assert lp.top_ids[i][0] == ref[i].argmax().item()
+
+
+def test_huge_logit_bias_saturates_instead_of_breaking_the_draw():
+    logits = torch.zeros(1, V)
+    req = FakeReq(SamplingParams.from_json({"logit_bias": {"2": 1e300, "5": -1e300}}))
+    freq = frequencies(logits, req)
+    assert freq[2] == 1.0 and freq[5] == 0.0

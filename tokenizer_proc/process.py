@@ -89,6 +89,10 @@ class Tokenizer:
         if bad is not None:
             raise RequestError(f"stop_token_ids contains {bad}, outside the vocabulary "
                                f"[0, {self.vocab_size}).")
+        try:
+            s.verify_vocab(self.vocab_size)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
         return TokenizedRequest(rid=req.rid, input_ids=ids, sampling=s, stream=req.stream,
                                 logprob=req.logprob)
 

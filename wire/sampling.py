@@ -20,6 +20,7 @@ from typing import Any
 
 SAMPLING_EPS = 1e-6          # temperature below this is greedy (SGLang's _SAMPLING_EPS)
 MAX_STOP_STRINGS = 32
+MAX_STOP_LENGTH = 256   # characters; the detokenizer keeps every prefix of each stop string
 
 
 @dataclass(slots=True)
@@ -78,7 +79,7 @@ class SamplingParams:
     def verify_vocab(self, vocab_size: int) -> None:
         """The checks that need the model's vocabulary size (SGLang's messages)."""
         for token_id in self.logit_bias or {}:
-            if not 0 <= int(token_id) < vocab_size:
+            if not 0 <= int(token_id) < vocab_size:      # keys are decimal digits (from_json)
                 raise ValueError(f"logit_bias must has keys in [0, {vocab_size - 1}], got "
                                  f"{token_id}.")
 
@@ -129,9 +130,14 @@ def _json_type(value: Any) -> str:
     return type(value).__name__
 
 
+INT64 = 2**63   # msgpack carries ints in [-2**63, 2**64): anything wider is a client error
+
+
 def _int(key: str, v: Any) -> int:
     if type(v) is not int:                            # bool is not an int here
         raise ValueError(f"sampling_params.{key} must be an integer, got {_json_type(v)}.")
+    if not -INT64 <= v < 2 * INT64:
+        raise ValueError(f"{key} must fit in 64 bits, got {v}.")
     return v
 
 
@@ -156,11 +162,14 @@ def _stop(key: str, v: Any) -> list[str]:
                          f"entries, got {len(stops)}.")
     if any(s == "" for s in stops):
         raise ValueError(f"sampling_params.{key} must not contain an empty string.")
+    if any(len(s) > MAX_STOP_LENGTH for s in stops):
+        raise ValueError(f"sampling_params.{key} strings may be at most {MAX_STOP_LENGTH} "
+                         f"characters long.")
     return list(stops)
 
 
 def _token_ids(key: str, v: Any) -> list[int]:
-    if type(v) is not list or any(type(t) is not int or t < 0 for t in v):
+    if type(v) is not list or any(type(t) is not int or not 0 <= t < INT64 for t in v):
         raise ValueError(f"sampling_params.{key} must be a list of non-negative integers.")
     return list(dict.fromkeys(v))                     # SGLang keeps a set; we keep order
 

@@ -83,6 +83,10 @@ class Outbox:
     def send(self, msg) -> None:
         self.sock.send(encode(msg))
 
+    def send_frame(self, frame: bytes) -> None:
+        """Send a frame already made by codec.encode (e.g. to check it could be made)."""
+        self.sock.send(frame)
+
 
 class AsyncOutbox(Outbox):
     async def send(self, msg) -> None:   # type: ignore[override]
