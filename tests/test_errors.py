@@ -51,6 +51,7 @@ BAD_BODIES = [
     ({"text": "a", "sampling_params": {"min_p": 2}}, "min_p"),
     ({"text": "a", "sampling_params": {"bogus": 1}}, "bogus"),
     ({"text": "a", "sampling_params": {"stop": ["x"] * 33}}, "stop"),
+    ({"text": "a", "sampling_params": {"n": 129}}, "n must be at most 128"),
     ({"text": "a", "sampling_params": {"stop": ["x" * 257]}}, "at most 256 characters"),
     ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
     ({"text": "a", "stream": "yes"}, "stream"),

@@ -20,6 +20,7 @@ from typing import Any
 
 SAMPLING_EPS = 1e-6          # temperature below this is greedy (SGLang's _SAMPLING_EPS)
 MAX_STOP_STRINGS = 32
+MAX_N = 128             # parallel samples per prompt (OpenAI's limit)
 MAX_STOP_LENGTH = 256   # characters; the detokenizer keeps every prefix of each stop string
 
 
@@ -115,6 +116,8 @@ class SamplingParams:
                              f"{self.max_new_tokens})], got {self.min_new_tokens}.")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {self.n}.")
         if self.sampling_seed is not None and not -(2**63) <= self.sampling_seed < 2**64:
             raise ValueError(f"sampling_seed must fit in 64 bits, got {self.sampling_seed}.")
         if self.logit_bias is not None:
