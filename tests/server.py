@@ -5,6 +5,7 @@ Nothing is mocked: tests talk HTTP to it and signal its processes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -123,3 +124,15 @@ class Server:
                 pass
         self.proc.wait()
         self.log.close()
+
+
+@contextlib.contextmanager
+def serving(model_path, *flags: str, tmpdir):
+    """A Server for the length of a `with` block (a module fixture's body); when the block
+    ends it must stop cleanly: SIGTERM, exit 0."""
+    s = Server(model_path, *flags, tmpdir=tmpdir)
+    try:
+        yield s
+    finally:
+        code = s.terminate()
+    assert code == 0, s.logs()

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import FAMILIES
 from tests.reference import assert_greedy_match, greedy_reference
-from tests.server import Server
+from tests.server import serving
 
 pytestmark = pytest.mark.e2e
 
@@ -53,12 +53,11 @@ def family(request):
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def server(request, family, tiny_model, tmp_path_factory):
-    s = Server(tiny_model(family), *CONFIGS[request.param],
-               tmpdir=tmp_path_factory.mktemp("srv"))
-    s.config = request.param
-    s.model_dir = tiny_model(family)
-    yield s
-    assert s.terminate() == 0, s.logs()
+    with serving(tiny_model(family), *CONFIGS[request.param],
+                 tmpdir=tmp_path_factory.mktemp("srv")) as s:
+        s.config = request.param
+        s.model_dir = tiny_model(family)
+        yield s
 
 
 def test_shared_prefixes_concurrently_match_transformers(server):

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from tests.conftest import FAMILIES
 from tests.reference import assert_greedy_match, greedy_reference
-from tests.server import Server
+from tests.server import serving
 
 PROMPTS = ["The quick brown fox", "你好，世界！今天天气", "Emoji 🎉 party 👩‍💻 time ✨",
            "def fibonacci(n):"]
@@ -36,17 +36,15 @@ def model_dir(family, tiny_model):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    s = Server(model_dir, tmpdir=tmp_path_factory.mktemp("srv"))
-    yield s
-    assert s.terminate() == 0, s.logs()
+    with serving(model_dir, tmpdir=tmp_path_factory.mktemp("srv")) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def incremental_server(model_dir, tmp_path_factory):
-    s = Server(model_dir, "--incremental-streaming-output",
-               tmpdir=tmp_path_factory.mktemp("srv"))
-    yield s
-    assert s.terminate() == 0, s.logs()
+    with serving(model_dir, "--incremental-streaming-output",
+                 tmpdir=tmp_path_factory.mktemp("srv")) as s:
+        yield s
 
 
 @functools.cache

@@ -12,7 +12,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.server import Server
+from tests.server import serving
 
 pytestmark = pytest.mark.e2e
 
@@ -30,9 +30,8 @@ def model_dir(tiny_model):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    s = Server(model_dir, tmpdir=tmp_path_factory.mktemp("srv"))
-    yield s
-    assert s.terminate() == 0, s.logs()
+    with serving(model_dir, tmpdir=tmp_path_factory.mktemp("srv")) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
