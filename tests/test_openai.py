@@ -370,3 +370,19 @@ def test_stream_disconnect_aborts_the_request(server, model):
     while server.server_info()["requests_in_flight"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.server_info()["requests_in_flight"] == 0
+
+
+def test_served_model_name_and_chat_template_override(model_dir, launch, tmp_path):
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}|{% endfor %}")
+    server = launch(model_dir, "--served-model-name", "tiny-one", "--chat-template",
+                    str(template))
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as c:
+        assert [m.id for m in c.models.list().data] == ["tiny-one"]
+        out = c.chat.completions.create(model="tiny-one", max_tokens=2, messages=[
+            {"role": "user", "content": "abc"}, {"role": "user", "content": "de"}])
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        assert out.usage.prompt_tokens == len(tok.encode("abc|de|", add_special_tokens=False))
+        with pytest.raises(openai.NotFoundError):
+            c.chat.completions.create(model=str(model_dir), max_tokens=2,
+                                      messages=[{"role": "user", "content": "x"}])
