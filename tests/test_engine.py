@@ -140,3 +140,12 @@ def test_burst_leaves_the_pool_whole(server):
     assert r.status_code == 200, r.text
     kv = server.server_info()["kv_pool"]
     assert kv["free"] == kv["total"] and kv["evictable"] == 0, kv
+
+
+def test_request_that_can_never_fit_is_a_400(server):
+    if server.config != "tiny-pool":
+        pytest.skip("only the tiny pool is smaller than this request")
+    r = server.generate(input_ids=list(range(5, 105)), sampling_params={"max_new_tokens": 100})
+    assert r.status_code == 400, r.text
+    assert "KV slots" in r.json()["error"]["message"]
+    assert server.generate_ok(input_ids=[5, 6], sampling_params={"max_new_tokens": 2})
