@@ -105,8 +105,26 @@ def test_bfloat16_is_close(checkpoint):
 def test_tied_checkpoint_has_no_lm_head(tmp_path):
     make_checkpoint(FAMILIES["llama_tied"](), tmp_path)
     assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
-    model = load_model(tmp_path, torch.float32, "cpu")
+    model = load_model(tmp_path, torch.float32, "cpu", pack=False)
     assert model.lm_head is None
+    packed = load_model(tmp_path, torch.float32, "cpu", pack=True)   # gets a packed head
+    ids = torch.arange(20)
+    torch.testing.assert_close(our_logits(packed, [(ids, 0)]), our_logits(model, [(ids, 0)]),
+                               atol=1e-4, rtol=0)
+
+
+def test_packed_and_plain_linears_agree():
+    """oneDNN-packed weights (the CPU default) give F.linear's result: bit-identical in
+    bfloat16, to float32 rounding in float32."""
+    from scheduler_proc.models.packed import PackedLinear
+    torch.manual_seed(0)
+    for dtype, atol in ((torch.float32, 1e-4), (torch.bfloat16, 0.0)):
+        w, b = torch.randn(96, 64, dtype=dtype), torch.randn(96, dtype=dtype)
+        layer = PackedLinear(w, b)
+        for rows in (1, 5, 32, 300):
+            x = torch.randn(rows, 64, dtype=dtype)
+            torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, w, b),
+                                       atol=atol, rtol=0)
 
 
 def test_sharded_checkpoint(tmp_path):

@@ -160,5 +160,7 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: [M, hidden] rows of forward's output -> [M, vocab] float32 logits."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(hidden), weight).float()
+        x = self.norm(hidden)
+        if self.lm_head is None:                       # tied embeddings
+            return F.linear(x, self.embed_tokens.weight).float()
+        return self.lm_head(x).float()

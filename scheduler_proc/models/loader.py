@@ -14,8 +14,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from torch import nn
+
 from .config import ModelConfig
 from .llama import CausalLM
+from .packed import can_pack, pack_linears
 
 # Our fused projection -> its checkpoint parts, stacked in this order along the output dim.
 _FUSED = {
@@ -24,8 +27,9 @@ _FUSED = {
 }
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype,
-               device: str | torch.device) -> CausalLM:
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device,
+               pack: bool | None = None) -> CausalLM:
+    """pack: lay the linear weights out for oneDNN (see packed.py); None: wherever it can."""
     config = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
         model = CausalLM(config)
@@ -60,7 +64,14 @@ def load_model(model_dir: str | Path, dtype: torch.dtype,
 
     model.load_state_dict(params, strict=True, assign=True)
     model.cos_sin = model.cos_sin.to(device=device, dtype=dtype)  # HF casts cos/sin to the dtype too
-    return model.requires_grad_(False).eval()
+    model.requires_grad_(False).eval()
+    if pack if pack is not None else can_pack(torch.device(device), dtype):
+        if model.lm_head is None:           # tied: the head gets its own (packed) copy
+            model.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
+                                      device=device, dtype=dtype)
+            model.lm_head.weight.data = model.embed_tokens.weight.data
+        pack_linears(model)
+    return model
 
 
 def _checkpoint_targets(config: ModelConfig,
