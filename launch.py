@@ -186,10 +186,12 @@ def _hard_exit(children: Children, addrs: Addresses) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Four processes share few cores: OpenMP threads that spin while waiting for a preempted
-    # sibling turn a 20 us matmul into milliseconds. Passive waiting costs nothing when
-    # alone and saves the step when contended. Children inherit it (set before torch loads).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Four processes share few cores. OpenMP threads that spin long (libgomp's default) while
+    # a sibling is preempted turned a 20 us matmul into milliseconds; purely passive waits
+    # cost a ~40 us wake-up on every small parallel op (a step has hundreds). A short spin
+    # keeps back-to-back ops fast and sleeps soon when idle or contended. Children inherit
+    # it: it is set before any of them loads torch.
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
     args = ServerArgs.from_cli(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="[%(asctime)s api] %(levelname)s %(message)s")
