@@ -34,18 +34,16 @@ import pathlib
 import platform
 import random
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 
 import httpx
 
+from tests.server import Server     # the one harness for launching zserve as a subprocess
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TOKEN_LOW, TOKEN_HIGH = 10, 700     # valid for the tiny tokenizer (754 tokens) too
-STARTUP_TIMEOUT = 600.0
 
 
 # ---------------------------------------------------------------------------------------
@@ -108,71 +106,13 @@ def _result(system, mode, dtype, prompts, output_tokens, wall, ttfts, e2es, tpot
 # zserve
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LaunchedServer:
-    """launch.py as a subprocess on a free port (as tests/server.py does)."""
-
-    def __init__(self, model_path: str, dtype: str, extra: list[str]):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = pathlib.Path(tempfile.gettempdir()) / f"zserve-bench-{self.port}.log"
-        self.log = open(self.log_path, "w")
-        cmd = [sys.executable, str(REPO / "launch.py"), "--model-path", str(model_path),
-               "--dtype", dtype, "--port", str(self.port), "--log-level", "warning", *extra]
-        print(f"# launching: {shlex.join(cmd)}  (log: {self.log_path})", file=sys.stderr)
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
-        self.children = []
-        t0 = time.monotonic()
-        self._wait_healthy()
-        self.startup_s = time.monotonic() - t0
-        try:
-            import psutil
-            self.children = psutil.Process(self.proc.pid).children(recursive=True)
-        except Exception:  # psutil missing or the process tree changed: SIGTERM still works
-            pass
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT}s:\n{self.logs()}")
-
-    def logs(self, tail: int = 4000) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return self.log_path.read_text()[-tail:]
-
-    def stop(self, timeout: float = 60.0) -> int | None:
-        """SIGTERM, wait; kill this server's own processes only if they linger."""
-        rc = None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            rc = self.proc.wait()
-        for p in self.children:
-            try:
-                if p.is_running():
-                    p.kill()
-            except Exception:
-                pass
-        self.log.close()
-        return rc
+def launch_server(model_path: str, dtype: str, extra: list[str]) -> tuple[Server, float]:
+    """launch.py on a free port, with the same harness the end-to-end tests use; returns the
+    server and its startup time to /health in seconds."""
+    t0 = time.monotonic()
+    server = Server(model_path, "--dtype", dtype, *extra, tmpdir=tempfile.gettempdir())
+    print(f"# launched zserve on {server.url} (log: {server.log_path})", file=sys.stderr)
+    return server, time.monotonic() - t0
 
 
 def wait_health(url: str, timeout: float) -> None:
@@ -453,9 +393,9 @@ def main(argv=None) -> int:
                 url = args.url.rstrip("/")
                 wait_health(url, args.url_wait)
             else:
-                server = LaunchedServer(model_path, args.dtype, shlex.split(args.server_args))
+                server, report["zserve_startup_s"] = launch_server(
+                    model_path, args.dtype, shlex.split(args.server_args))
                 url = server.url
-                report["zserve_startup_s"] = server.startup_s
             try:
                 info = httpx.get(url + "/server_info", timeout=10).json()
                 report["zserve_server_info"] = info
@@ -478,11 +418,11 @@ def main(argv=None) -> int:
                     add(zserve_single(url, single_prompts, args.output_len, args.dtype))
         except Exception:
             if server is not None:
-                print(f"# server log tail:\n{server.logs()}", file=sys.stderr)
+                print(f"# server log tail:\n{server.logs()[-4000:]}", file=sys.stderr)
             raise
         finally:
             if server is not None:
-                rc = server.stop()
+                rc = server.terminate()
                 print(f"# zserve stopped (exit {rc})", file=sys.stderr)
 
     if not args.skip_hf:
