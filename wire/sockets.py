@@ -25,15 +25,12 @@ def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     return sock
 
 
-class Inbox:
-    """The owner's PULL socket. `recv(timeout_ms)` blocks up to timeout (None: forever) for
-    the first message, then drains whatever else is already queued without blocking."""
+class _PullSocket:
+    """A bound PULL socket that decodes frames, dropping (and counting) bad ones."""
 
     def __init__(self, ctx: zmq.Context, address: str):
         self.sock = _socket(ctx, zmq.PULL)
         self.sock.bind(address)
-        self.poller = zmq.Poller()
-        self.poller.register(self.sock, zmq.POLLIN)
         self.bad_frames = 0
 
     def _decode(self, frame: bytes):
@@ -43,6 +40,16 @@ class Inbox:
             self.bad_frames += 1
             log.error("dropped a bad frame (%d so far): %s", self.bad_frames, e)
             return None
+
+
+class Inbox(_PullSocket):
+    """The owner's PULL socket. `recv(timeout_ms)` blocks up to timeout (None: forever) for
+    the first message, then drains whatever else is already queued without blocking."""
+
+    def __init__(self, ctx: zmq.Context, address: str):
+        super().__init__(ctx, address)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
 
     def recv(self, timeout_ms: int | None) -> list:
         if not self.poller.poll(timeout_ms):
@@ -58,13 +65,8 @@ class Inbox:
                 out.append(msg)
 
 
-class AsyncInbox(Inbox):
-    """Inbox for an asyncio process (the API): `await recv()` yields the next good message."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, address: str):
-        self.sock = _socket(ctx, zmq.PULL)
-        self.sock.bind(address)
-        self.bad_frames = 0
+class AsyncInbox(_PullSocket):
+    """Inbox for an asyncio process (the API): `await recv_one()` is the next good message."""
 
     async def recv_one(self):
         while True:
@@ -86,8 +88,3 @@ class Outbox:
     def send_frame(self, frame: bytes) -> None:
         """Send a frame already made by codec.encode (e.g. to check it could be made)."""
         self.sock.send(frame)
-
-
-class AsyncOutbox(Outbox):
-    async def send(self, msg) -> None:   # type: ignore[override]
-        await self.sock.send(encode(msg))
