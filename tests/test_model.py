@@ -114,7 +114,7 @@ def test_tied_checkpoint_has_no_lm_head(tmp_path):
 
 
 def test_packed_and_plain_linears_agree():
-    """oneDNN-packed weights (the CPU default) give F.linear's result: bit-identical in
+    """oneDNN-packed weights (the CPU fallback) give F.linear's result: bit-identical in
     bfloat16, to float32 rounding in float32."""
     from scheduler_proc.models.packed import PackedLinear
     torch.manual_seed(0)
@@ -125,6 +125,38 @@ def test_packed_and_plain_linears_agree():
             x = torch.randn(rows, 64, dtype=dtype)
             torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, w, b),
                                        atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_linear_kernels_agree_with_f_linear(dtype):
+    """Our AVX-512 kernels (the CPU default) on every tile edge: rows 1..8 and past one tile,
+    outputs not a multiple of 16 or of a 48-wide tile, odd K (bfloat16 pairs), bias or not.
+    Both sum in float32 in another order than F.linear: float32 agrees to rounding, and
+    bfloat16 is identical but for rare one-ulp differences where the float32 sums round
+    to either side of a bfloat16 tie."""
+    from scheduler_proc import kernels
+    from scheduler_proc.models import cpu_linear
+    if not kernels.available("cpu", dtype):
+        pytest.skip(f"no AVX-512 kernels for {dtype} on this CPU / compiler")
+    torch.manual_seed(0)
+    for n, k in ((96, 64), (17, 33), (50, 7), (1, 1), (200, 575)):
+        w, b = torch.randn(n, k, dtype=dtype), torch.randn(n, dtype=dtype)
+        for bias in (b, None):
+            layer = cpu_linear.CpuLinear(w, bias)
+            for rows in (1, 2, 3, 5, 8, 9, 17, 300):
+                x = torch.randn(rows, k, dtype=dtype)
+                got, want = layer(x), torch.nn.functional.linear(x, w, bias)
+                if dtype == torch.bfloat16:
+                    assert (got != want).float().mean() <= 0.01, (n, k, rows)
+                    torch.testing.assert_close(got, want, atol=0, rtol=2 ** -7)
+                else:
+                    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    # A strided input (a view) is read correctly; an empty batch gives an empty output.
+    layer = cpu_linear.CpuLinear(w, b)
+    x = torch.randn(300, 2 * k, dtype=dtype)[:, ::2]
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, w, b),
+                               atol=1e-4 if dtype == torch.float32 else 0, rtol=2 ** -7)
+    assert layer(torch.empty(0, k, dtype=dtype)).shape == (0, n)
 
 
 def test_sharded_checkpoint(tmp_path):

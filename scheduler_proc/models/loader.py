@@ -18,7 +18,9 @@ from torch import nn
 
 from .config import ModelConfig
 from .llama import CausalLM
-from .packed import can_pack, pack_linears
+from scheduler_proc import kernels
+from .cpu_linear import CpuLinear
+from .packed import PackedLinear, can_pack
 
 # Our fused projection -> its checkpoint parts, stacked in this order along the output dim.
 _FUSED = {
@@ -29,7 +31,8 @@ _FUSED = {
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device,
                pack: bool | None = None) -> CausalLM:
-    """pack: lay the linear weights out for oneDNN (see packed.py); None: wherever it can."""
+    """pack: lay the linear weights out for a CPU kernel (cpu_linear.py, else oneDNN's:
+    packed.py); None: wherever one is available; False: keep plain nn.Linear."""
     config = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
         model = CausalLM(config)
@@ -65,13 +68,32 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     model.load_state_dict(params, strict=True, assign=True)
     model.cos_sin = model.cos_sin.to(device=device, dtype=dtype)  # HF casts cos/sin to the dtype too
     model.requires_grad_(False).eval()
-    if pack if pack is not None else can_pack(torch.device(device), dtype):
+    layer = _cpu_linear_class(torch.device(device), dtype) if pack is not False else None
+    if pack and layer is None:
+        raise ValueError(f"no packed CPU linear layer for {dtype} on {device}")
+    if layer is not None:
         if model.lm_head is None:           # tied: the head gets its own (packed) copy
             model.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
                                       device=device, dtype=dtype)
             model.lm_head.weight.data = model.embed_tokens.weight.data
-        pack_linears(model)
+        _replace_linears(model, layer)
     return model
+
+
+def _cpu_linear_class(device: torch.device, dtype: torch.dtype) -> type[nn.Module] | None:
+    """The fastest linear layer for this device and dtype: ours, else oneDNN's, else None."""
+    if kernels.available(device, dtype):
+        return CpuLinear
+    return PackedLinear if can_pack(device, dtype) else None
+
+
+def _replace_linears(model: nn.Module, layer: type[nn.Module]) -> None:
+    """Replace every nn.Linear below `model` with layer(weight, bias), in place."""
+    for name, child in list(model.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(model, name, layer(child.weight, child.bias))
+        else:
+            _replace_linears(child, layer)
 
 
 def _checkpoint_targets(config: ModelConfig,

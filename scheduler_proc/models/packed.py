@@ -35,11 +35,3 @@ class PackedLinear(nn.Module):
         """x: [N, in_features] -> [N, out_features]."""
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
-
-def pack_linears(model: nn.Module) -> None:
-    """Replace every nn.Linear below `model` with a PackedLinear, in place."""
-    for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(model, name, PackedLinear(child.weight, child.bias))
-        else:
-            pack_linears(child)

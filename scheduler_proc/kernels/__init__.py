@@ -1,0 +1,95 @@
+"""zserve's own CPU kernels (AVX-512, in C): the library and its ctypes signatures.
+
+    linear.c       y = x W^T + b on weights laid out in panels (models/cpu_linear.py)
+    simd.h         what they share: float32/bfloat16 loads and stores, exp
+
+The C files are compiled together on first use with the system C compiler (`cc`, about
+3 s) into $ZSERVE_CACHE/kernels/, named by the hash of their sources and flags, and loaded
+with ctypes (which releases the GIL for each call). They run their threads on the libgomp
+that torch has already loaded, so torch.set_num_threads holds for them too.
+`available(device, dtype)` is false where the CPU lacks the instructions a dtype's kernels
+need (float32: AVX-512F; bfloat16: also AVX512_BF16) or the compiler is missing or fails;
+callers then fall back to torch (oneDNN, SDPA).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import subprocess
+import tempfile
+
+import torch
+
+from checkpoints.tiny import default_cache_root
+
+log = logging.getLogger(__name__)
+
+HERE = pathlib.Path(__file__).parent
+SOURCES = sorted(HERE.glob("*.c"))
+HEADERS = sorted(HERE.glob("*.h"))
+# No -march: each function names the instructions it needs (simd.h), and available()
+# checks the CPU has them. fp-contract=off: elementwise.c rounds like torch, unfused.
+COMPILE = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off"]
+CPU_FLAGS = {torch.float32: {"avx512f"},
+             torch.bfloat16: {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}}
+
+_p, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SIGNATURES = {
+    # (x, M, K, panels, N, bias or NULL, y)
+    "zs_linear_f32": [_p, _i64, _i64, _p, _i64, _p, _p],
+    "zs_linear_bf16": [_p, _i64, _i64, _p, _i64, _p, _p],
+}
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built once per source version; None if they cannot be built."""
+    digest = hashlib.sha256(" ".join(COMPILE).encode())
+    for src in SOURCES + HEADERS:
+        digest.update(src.name.encode() + src.read_bytes())
+    out_dir = default_cache_root() / "kernels"
+    lib_path = out_dir / f"zserve-cpu-{digest.hexdigest()[:16]}.so"
+    try:
+        if not lib_path.exists():
+            out_dir.mkdir(parents=True, exist_ok=True)
+            # Build beside the target, then rename: concurrent builders never see half a file.
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+            os.close(fd)
+            try:
+                subprocess.run([os.environ.get("CC", "cc"), *COMPILE, "-o", tmp,
+                                *map(str, SOURCES), "-lm"],
+                               check=True, capture_output=True, text=True, timeout=300)
+                os.replace(tmp, lib_path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        lib = ctypes.CDLL(str(lib_path))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("zserve CPU kernels unavailable, using torch's: %s",
+                    getattr(e, "stderr", "") or e)
+        return None
+    for name, args in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    return lib
+
+
+def available(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Can this device and dtype run on our kernels?"""
+    return (torch.device(device).type == "cpu" and dtype in CPU_FLAGS
+            and CPU_FLAGS[dtype] <= _cpu_flags() and library() is not None)

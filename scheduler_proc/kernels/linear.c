@@ -1,0 +1,139 @@
+/* zserve CPU linear kernels: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), AVX-512.
+ *
+ * W is laid out once, at load time (cpu_linear.py), in panels of 16 output rows:
+ *   float32:  P[N/16][K][16]          P[p][k][j]    = W[16p + j][k]
+ *   bfloat16: P[N/16][K/2][16][2]     P[p][k][j][t] = W[16p + j][2k + t]   (vdpbf16ps pairs)
+ * with N padded to a multiple of 16 and (bfloat16) K to a multiple of 2, the padding zero.
+ * A panel is contiguous, so every call streams the weights front to back exactly once,
+ * whatever M is: a tile of up to MR rows of x times NR panels keeps its MR x NR
+ * accumulators in registers, and the next tile of rows finds the same panels in cache.
+ * That one layout serves decode (M = 1: a bandwidth-bound matrix-vector product) and
+ * batched decode / prefill (M >= 8: compute-bound, 8 x 3 zmm accumulators).
+ *
+ * Sums run over k in order, in float32; bfloat16 outputs are rounded once, to nearest even,
+ * after the bias is added (as oneDNN does). Threads (OpenMP: the libgomp that torch has
+ * already loaded, so torch.set_num_threads applies) split the panels.
+ *
+ * x and y are contiguous row-major; nothing here allocates or checks: cpu_linear.py does.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "simd.h"
+
+#define MR 8    /* rows of x per tile */
+#define NR 3    /* panels (of 16 outputs) per tile */
+
+/* ---- float32 ------------------------------------------------------------------------- */
+
+INLINE TARGET_F32 void tile_f32(const int mr, const int nr, const float *x, int64_t K,
+                                const float *p, int64_t pstride, const float *bias,
+                                float *y, int64_t N, int64_t n0) {
+    __m512 acc[MR][NR];
+#pragma GCC unroll 8
+    for (int i = 0; i < mr; i++)
+#pragma GCC unroll 3
+        for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m512 b[NR];
+#pragma GCC unroll 3
+        for (int j = 0; j < nr; j++) b[j] = _mm512_loadu_ps(p + j * pstride + k * 16);
+#pragma GCC unroll 8
+        for (int i = 0; i < mr; i++) {
+            __m512 a = _mm512_set1_ps(x[i * K + k]);
+#pragma GCC unroll 3
+            for (int j = 0; j < nr; j++) acc[i][j] = _mm512_fmadd_ps(a, b[j], acc[i][j]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int j = 0; j < nr; j++) {
+        int64_t n = n0 + 16 * j;
+        __mmask16 m = tail_mask(N - n);
+        __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + n) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int i = 0; i < mr; i++)
+            _mm512_mask_storeu_ps(y + i * N + n, m, _mm512_add_ps(acc[i][j], bv));
+    }
+}
+
+/* ---- bfloat16 ------------------------------------------------------------------------ */
+
+
+/* One pair of k (k = 2 * k2, 2 * k2 + 1) into every accumulator; `half`: K is odd and this
+ * is its last k, whose pair partner is the zero padding (x has no element there). */
+INLINE TARGET void pair_bf16(const int mr, const int nr, __m512 acc[MR][NR],
+                                  const uint16_t *x, int64_t K, const uint16_t *p,
+                                  int64_t pstride, int64_t k2, const int half) {
+    __m512i b[NR];
+#pragma GCC unroll 3
+    for (int j = 0; j < nr; j++) b[j] = _mm512_loadu_si512(p + j * pstride + k2 * 32);
+#pragma GCC unroll 8
+    for (int i = 0; i < mr; i++) {
+        int32_t pair = 0;                           /* x[2k2] in the low half */
+        memcpy(&pair, x + i * K + 2 * k2, half ? 2 : 4);
+        __m512i a = _mm512_set1_epi32(pair);
+#pragma GCC unroll 3
+        for (int j = 0; j < nr; j++)
+            acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)a, (__m512bh)b[j]);
+    }
+}
+
+INLINE TARGET void tile_bf16(const int mr, const int nr, const uint16_t *x, int64_t K,
+                                  const uint16_t *p, int64_t pstride, const uint16_t *bias,
+                                  uint16_t *y, int64_t N, int64_t n0) {
+    __m512 acc[MR][NR];
+#pragma GCC unroll 8
+    for (int i = 0; i < mr; i++)
+#pragma GCC unroll 3
+        for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k2 = 0; k2 < K / 2; k2++) pair_bf16(mr, nr, acc, x, K, p, pstride, k2, 0);
+    if (K & 1) pair_bf16(mr, nr, acc, x, K, p, pstride, K / 2, 1);
+#pragma GCC unroll 3
+    for (int j = 0; j < nr; j++) {
+        int64_t n = n0 + 16 * j;
+        __mmask16 m = tail_mask(N - n);
+        __m512 bv = bias ? bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, bias + n))
+                         : _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int i = 0; i < mr; i++)
+            _mm256_mask_storeu_epi16(y + i * N + n, m,
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], bv)));
+    }
+}
+
+/* ---- drivers: tiles of (MR rows) x (NR panels); every (mr, nr) edge gets its own
+ *      fully unrolled copy of the tile, so the accumulators stay in registers. ------------ */
+
+#define CASE(tile, mr, nr) case (mr) * 4 + (nr): tile(mr, nr, TILE_ARGS); break;
+#define CASES_MR(tile, mr) CASE(tile, mr, 1) CASE(tile, mr, 2) CASE(tile, mr, 3)
+#define ALL_TILES(tile, mr, nr)                                                   \
+    switch ((mr) * 4 + (nr)) {                                                    \
+        CASES_MR(tile, 1) CASES_MR(tile, 2) CASES_MR(tile, 3) CASES_MR(tile, 4)   \
+        CASES_MR(tile, 5) CASES_MR(tile, 6) CASES_MR(tile, 7) CASES_MR(tile, 8)   \
+    }
+
+#define DRIVER(tile, T, pstride_expr)                                             \
+    const int64_t panels = (N + 15) / 16, groups = (panels + NR - 1) / NR;        \
+    const int64_t pstride = (pstride_expr);                                       \
+    _Pragma("omp parallel for schedule(static)")                                  \
+    for (int64_t g = 0; g < groups; g++) {                                        \
+        const int nr = (int)(panels - g * NR < NR ? panels - g * NR : NR);        \
+        const T *pg = p + g * NR * pstride;                                       \
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {                                  \
+            const int mr = (int)(M - m0 < MR ? M - m0 : MR);                      \
+            ALL_TILES(tile, mr, nr)                                               \
+        }                                                                         \
+    }
+
+#define TILE_ARGS x + m0 * K, K, pg, pstride, bias, y + m0 * N, N, g * NR * 16
+
+TARGET_F32 void zs_linear_f32(const float *x, int64_t M, int64_t K, const float *p,
+                              int64_t N, const float *bias, float *y) {
+    DRIVER(tile_f32, float, K * 16)
+}
+
+TARGET void zs_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *p,
+                                int64_t N, const uint16_t *bias, uint16_t *y) {
+    DRIVER(tile_bf16, uint16_t, ((K + 1) / 2) * 32)
+}

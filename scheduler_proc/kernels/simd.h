@@ -1,0 +1,59 @@
+/* Shared AVX-512 helpers for zserve's CPU kernels: 16 float32 lanes at a time, loaded from
+ * and stored to float32 or bfloat16 memory (`bf16` is a compile-time constant at every
+ * inlined call site, so each kernel gets one copy per dtype without branches).
+ */
+#ifndef ZSERVE_SIMD_H
+#define ZSERVE_SIMD_H
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define TARGET_F32 __attribute__((target("avx512f")))
+#define INLINE static inline __attribute__((always_inline))
+
+/* The first min(left, 16) lanes. */
+INLINE __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
+INLINE TARGET __m512 bf16x16_to_f32(__m256i v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+/* Masked-off lanes read as 0 and are never touched in memory. */
+INLINE TARGET __m512 load16(const int bf16, const void *p, __mmask16 m) {
+    if (bf16) return bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, p));
+    return _mm512_maskz_loadu_ps(m, p);
+}
+
+/* bfloat16: rounded to nearest even. */
+INLINE TARGET void store16(const int bf16, void *p, __mmask16 m, __m512 v) {
+    if (bf16) _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+    else _mm512_mask_storeu_ps(p, m, v);
+}
+
+/* v rounded to the dtype's precision (what storing and reloading it would give). */
+INLINE TARGET __m512 round_bf(const int bf16, __m512 v) {
+    return bf16 ? bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(v)) : v;
+}
+
+/* e^x as 2^n * p(r), r = x - n ln2: relative error < 2e-7; like expf, it overflows to inf
+ * and underflows to 0 (scalef saturates; the clamp only keeps r finite). */
+INLINE TARGET_F32 __m512 exp_ps(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-1e4f)), _mm512_set1_ps(1e4f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+#endif
