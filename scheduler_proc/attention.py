@@ -8,6 +8,10 @@ tokens starting at position `start` attends to positions 0..start+L-1 causally.
 
 The model calls `attn(layer, q, k, v)`; K/V of this step's tokens are written to their
 slots first, then read back through the table, so a segment sees its cached prefix.
+
+Decode rows run on our C kernel (kernels/attention.c: reads K/V in place through the table,
+online softmax in float32) where `decode_kernel_fits`; elsewhere (CUDA, other CPUs) they
+are gathered into a padded [B, T] batch for SDPA with a length mask.
 """
 
 from __future__ import annotations
@@ -17,7 +21,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from scheduler_proc import kernels
 from scheduler_proc.pool import KVCache
+
+KERNEL_MAX_GROUP, KERNEL_MAX_HEAD_DIM = 16, 256     # attention.c's MAX_GROUP, MAX_D
+
+
+def decode_kernel_fits(device: torch.device, dtype: torch.dtype, num_heads: int,
+                       num_kv_heads: int, head_dim: int) -> bool:
+    """Can decode rows of this model run on kernels/attention.c?"""
+    return (kernels.available(device, dtype) and head_dim % 16 == 0
+            and head_dim <= KERNEL_MAX_HEAD_DIM and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= KERNEL_MAX_GROUP)
 
 
 @dataclass(slots=True)
@@ -29,32 +44,47 @@ class PrefillSegment:
     mask: torch.Tensor | None        # [length, start+length] causal mask (None if start==0)
 
 
+@dataclass(slots=True)
+class DecodeRows:
+    """The step's one-token rows: their table rows and lengths (kernel), or the padded
+    slots and length mask (SDPA)."""
+
+    rows: torch.Tensor                  # [B] row of each request in the table
+    lens: torch.Tensor                  # [B] positions attended, the new token's included
+    index: torch.Tensor | None = None   # [B, T] slots, padded with slot 0 (SDPA only)
+    mask: torch.Tensor | None = None    # [B, 1, 1, T] True where attended (SDPA only)
+
+
 class StepAttention:
     """Metadata for one step, built once, used by every layer."""
 
-    def __init__(self, cache: KVCache, out_slots: torch.Tensor, num_decode: int,
-                 decode_index: torch.Tensor | None, decode_mask: torch.Tensor | None,
-                 prefills: list[PrefillSegment]):
+    def __init__(self, cache: KVCache, table: torch.Tensor, out_slots: torch.Tensor,
+                 decode: DecodeRows | None, prefills: list[PrefillSegment]):
         self.cache = cache
+        self.table = table                  # the request-to-token table
         self.out_slots = out_slots          # [N] slot to write each token's K/V to
-        self.num_decode = num_decode
-        self.decode_index = decode_index    # [B, T] slots, padded with slot 0
-        self.decode_mask = decode_mask      # [B, 1, 1, T] True where a position is attended
+        self.decode = decode
+        self.num_decode = 0 if decode is None else len(decode.rows)
         self.prefills = prefills
 
     @classmethod
     def build(cls, cache: KVCache, table: torch.Tensor, out_slots: list[int],
               decode_rows: list[int], decode_lens: list[int],
-              prefills: list[tuple[int, int, int]], device) -> "StepAttention":
+              prefills: list[tuple[int, int, int]], device,
+              decode_kernel: bool = False) -> "StepAttention":
         """decode_rows/decode_lens: table row and sequence length (incl. the new token) of
-        each decode row; prefills: (table row, start, length) per prefill segment."""
+        each decode row; prefills: (table row, start, length) per prefill segment;
+        decode_kernel: decode_kernel_fits() for this model (decode rows run on it)."""
         out = torch.tensor(out_slots, dtype=torch.int64, device=device)
-        index = mask = None
+        decode = None
         if decode_rows:
-            lens = torch.tensor(decode_lens, dtype=torch.int64, device=device)
-            t = max(decode_lens)
-            index = table[torch.tensor(decode_rows, device=device), :t]
-            mask = (torch.arange(t, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            decode = DecodeRows(torch.tensor(decode_rows, dtype=torch.int64, device=device),
+                                torch.tensor(decode_lens, dtype=torch.int64, device=device))
+            if not decode_kernel:
+                t = max(decode_lens)
+                decode.index = table[decode.rows, :t]
+                decode.mask = (torch.arange(t, device=device)[None, :]
+                               < decode.lens[:, None])[:, None, None, :]
         segs = []
         offset = len(decode_rows)
         for row, start, length in prefills:
@@ -66,7 +96,7 @@ class StepAttention:
                 m = torch.arange(total, device=device)[None, :] <= q_pos
             segs.append(PrefillSegment(offset, start, length, kv_index, m))
             offset += length
-        return cls(cache, out, len(decode_rows), index, mask, segs)
+        return cls(cache, table, out, decode, segs)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:
@@ -94,15 +124,28 @@ class StepAttention:
         return out
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """One query per row against its own positions: [B, H, D] -> [B, H, D]. Half
-        precision is attended in float32: the CPU kernel is faster there (and exact)."""
+        """One query per row against its own positions: [B, H, D] -> [B, H, D]."""
+        if self.decode.index is None:
+            return self._decode_kernel(layer, q)
+        # SDPA. Half precision is attended in float32: the CPU kernel is faster there.
         dtype = q.dtype
         upcast = dtype != torch.float32 and q.device.type == "cpu"
-        keys, values = self.cache.gather(layer, self.decode_index,     # [B, T, Hkv, D]
+        keys, values = self.cache.gather(layer, self.decode.index,     # [B, T, Hkv, D]
                                          torch.float32 if upcast else None)
         if upcast:
             q = q.float()
         o = F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2),
                                            values.transpose(1, 2),
-                                           attn_mask=self.decode_mask, enable_gqa=True)
+                                           attn_mask=self.decode.mask, enable_gqa=True)
         return o.squeeze(2).to(dtype)
+
+    def _decode_kernel(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        b, h, d = q.shape
+        kv = self.cache.kv[layer]
+        kernels.library().zs_decode_attention(
+            int(q.dtype == torch.bfloat16), q.data_ptr(), kv.data_ptr(), self.table.data_ptr(),
+            self.table.shape[1], self.decode.rows.data_ptr(), self.decode.lens.data_ptr(),
+            b, h, kv.shape[2], d, d ** -0.5, out.data_ptr())
+        return out

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from scheduler_proc.attention import StepAttention
+from scheduler_proc.attention import StepAttention, decode_kernel_fits
 from scheduler_proc.models import ModelConfig, load_model
 from scheduler_proc.pool import KVCache, ReqToToken, TokenPool
 from scheduler_proc.request import Req
@@ -63,10 +63,13 @@ class ModelRunner:
                              self.dtype, self.device)
         self.req_to_token = ReqToToken(args.max_running_requests, self.context_len,
                                        self.device)
+        self.decode_kernel = decode_kernel_fits(self.device, self.dtype, c.num_heads,
+                                                c.num_kv_heads, c.head_dim)
         torch.manual_seed(args.random_seed)
         self.max_threads = torch.get_num_threads()
-        log.info("model %s (%s) on %s/%s, KV pool %d tokens", args.model_path, c.architecture,
-                 self.device, self.dtype, self.pool_size)
+        log.info("model %s (%s) on %s/%s, KV pool %d tokens, decode attention on %s",
+                 args.model_path, c.architecture, self.device, self.dtype, self.pool_size,
+                 "zserve's CPU kernel" if self.decode_kernel else "SDPA")
 
     def _default_pool_size(self, args: ServerArgs) -> int:
         c = self.config
@@ -109,7 +112,7 @@ class ModelRunner:
             if lo < hi:
                 scored.append((req, first_row + lo - seg.start, lo, hi))
         attn = StepAttention.build(self.cache, self.req_to_token.table, out_slots, decode_rows,
-                                   decode_lens, prefills, self.device)
+                                   decode_lens, prefills, self.device, self.decode_kernel)
         self._set_threads(len(ids))
         hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device),
                             torch.tensor(positions, dtype=torch.int64, device=self.device),

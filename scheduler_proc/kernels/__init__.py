@@ -1,6 +1,7 @@
 """zserve's own CPU kernels (AVX-512, in C): the library and its ctypes signatures.
 
     linear.c       y = x W^T + b on weights laid out in panels (models/cpu_linear.py)
+    attention.c    decode attention read in place from the paged KV pool (attention.py)
     simd.h         what they share: float32/bfloat16 loads and stores, exp
 
 The C files are compiled together on first use with the system C compiler (`cc`, about
@@ -43,6 +44,8 @@ SIGNATURES = {
     # (x, M, K, panels, N, bias or NULL, y)
     "zs_linear_f32": [_p, _i64, _i64, _p, _i64, _p, _p],
     "zs_linear_bf16": [_p, _i64, _i64, _p, _i64, _p, _p],
+    # (bf16, q, kv, table, ctx, rows, lens, B, H, Hkv, D, scale, out)
+    "zs_decode_attention": [_int, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _float, _p],
 }
 
 

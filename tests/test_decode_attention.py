@@ -1,0 +1,50 @@
+"""Decode attention: our C kernel (kernels/attention.c) and the SDPA fallback both equal a
+dense softmax(q k^T / sqrt(d)) v over each row's own slots, read through the table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scheduler_proc.attention import StepAttention, decode_kernel_fits
+from scheduler_proc.pool import KVCache
+
+
+def dense_decode(cache: KVCache, table, rows, lens, q):
+    out = torch.empty(q.shape, dtype=torch.float32)
+    kv = cache.kv[0].float()
+    group = q.shape[1] // kv.shape[2]
+    for b, (row, n) in enumerate(zip(rows, lens)):
+        slots = table[row, :n]
+        k = kv[slots, 0].repeat_interleave(group, dim=1)       # [n, H, D]
+        v = kv[slots, 1].repeat_interleave(group, dim=1)
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[b].float(), k) * q.shape[-1] ** -0.5, -1)
+        out[b] = torch.einsum("ht,thd->hd", p, v)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_decode_matches_dense(dtype, heads, kv_heads, head_dim, kernel):
+    if kernel and not decode_kernel_fits(torch.device("cpu"), dtype, heads, kv_heads, head_dim):
+        pytest.skip("no decode kernel for this CPU / compiler")
+    torch.manual_seed(0)
+    ctx, reqs = 300, 6
+    cache = KVCache(1, reqs * ctx, kv_heads, head_dim, dtype, "cpu")
+    cache.kv[0].normal_()
+    cache.kv[0][0] = 1e4                   # the padding slot: any leak into a row shows up
+    table = torch.zeros(reqs + 2, ctx, dtype=torch.int64)
+    rows = [7, 0, 3, 5, 1, 2]              # out of order, not every row
+    lens = [1, 2, 63, 64, 65, 257]         # one position; around the kernel's 64-block
+    slots = torch.randperm(reqs * ctx)[: sum(lens)] + 1
+    for row, n in zip(rows, lens):
+        table[row, :n], slots = slots[:n], slots[n:]
+    q = torch.randn(len(rows), heads, head_dim, dtype=dtype)
+    attn = StepAttention.build(cache, table, list(range(1, len(rows) + 1)), rows, lens, [],
+                               "cpu", decode_kernel=kernel)
+    got = attn._decode(0, q)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), dense_decode(cache, table, rows, lens, q),
+                               atol=tol, rtol=tol)
