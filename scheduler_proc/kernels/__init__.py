@@ -2,6 +2,7 @@
 
     linear.c       y = x W^T + b on weights laid out in panels (models/cpu_linear.py)
     attention.c    decode attention read in place from the paged KV pool (attention.py)
+    elementwise.c  residual add + RMSNorm, RoPE, SiLU-and-multiply (models/llama.py)
     simd.h         what they share: float32/bfloat16 loads and stores, exp
 
 The C files are compiled together on first use with the system C compiler (`cc`, about
@@ -46,6 +47,12 @@ SIGNATURES = {
     "zs_linear_bf16": [_p, _i64, _i64, _p, _i64, _p, _p],
     # (bf16, q, kv, table, ctx, rows, lens, B, H, Hkv, D, scale, out)
     "zs_decode_attention": [_int, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _float, _p],
+    # (bf16, x, residual or NULL, h out or NULL, weight, eps, M, D, y)
+    "zs_add_rms_norm": [_int, _p, _p, _p, _p, _float, _i64, _i64, _p],
+    # (bf16, x, M, row stride, heads, D, cos_sin, positions)
+    "zs_rope": [_int, _p, _i64, _i64, _i64, _i64, _p, _p],
+    # (bf16, gate_up, M, I, y)
+    "zs_silu_mul": [_int, _p, _i64, _i64, _p],
 }
 
 

@@ -13,7 +13,9 @@ The families differ only in config flags (see ModelConfig): qkv/o/mlp biases, Qw
 per-head q/k RMSNorm, tied embeddings and the RoPE frequencies. q/k/v and gate/up are fused
 into one matmul each; the loader fills the fused weights from the checkpoint's parts.
 Numerics follow transformers' modeling_llama (RMSNorm in float32, RoPE tables cast to the
-model dtype, logits in the model dtype then float32), so greedy outputs match it.
+model dtype, logits in the model dtype then float32), so greedy outputs match it. The
+elementwise ops live in ops.py (torch, or our C kernels on CPU); each layer adds its
+residual inside the next norm (`norm(x, residual)`), as vLLM does, to fuse the two.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
+from .ops import rms_norm, rope_, silu_and_mul
 
 
 class AttentionBackend(Protocol):
@@ -40,11 +43,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
-        # x / rms(x) in float32, cast back, then scale in the model dtype (as HF does).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        """norm(x); with a residual, (norm(x + residual), x + residual)."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> Tensor:
@@ -74,13 +75,6 @@ def rope_cos_sin(config: ModelConfig, device: torch.device | str | None = None) 
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate each (x[i], x[i + d/2]) pair by its angle: HF's `x*cos + rotate_half(x)*sin`
-    with the halves written out. x: [N, heads, d]; cos, sin: [N, 1, d/2]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class SelfAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
@@ -92,16 +86,25 @@ class SelfAttention(nn.Module):
                                   bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         # Qwen3 normalizes each head of q and k (over head_dim) before RoPE; others don't.
-        qk_norm = config.qk_norm
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else nn.Identity()
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else nn.Identity()
+        self.qk_norm = config.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        o = attn(self.layer_id, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+    def forward(self, x: Tensor, cos_sin: Tensor, positions: Tensor,
+                attn: AttentionBackend) -> Tensor:
+        qkv = self.qkv_proj(x)
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, kv_heads, d)
+        if self.qk_norm:
+            q = rope_(self.q_norm(qkv[:, :self.q_size].view(-1, heads, d)), cos_sin, positions)
+            k = rope_(self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size]
+                                  .view(-1, kv_heads, d)), cos_sin, positions)
+        else:                   # q and k heads sit side by side: rotate them in one pass
+            qk = rope_(qkv[:, :self.q_size + self.kv_size].view(-1, heads + kv_heads, d),
+                       cos_sin, positions)
+            q, k = qk[:, :heads], qk[:, heads:]
+        o = attn(self.layer_id, q, k, v)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -114,8 +117,7 @@ class MLP(nn.Module):
                                    bias=config.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -126,9 +128,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x: Tensor, residual: Tensor | None, cos_sin: Tensor, positions: Tensor,
+                attn: AttentionBackend) -> tuple[Tensor, Tensor]:
+        """x: the previous layer's output, residual: the stream before it (None for the
+        first layer) -> this layer's (output, residual stream before it)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos_sin, positions, attn)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -150,12 +160,10 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         """input_ids, positions: [N] -> [N, hidden], the residual stream after the last layer
         (compute_logits applies the final norm, only to the rows that need logits)."""
-        x = self.embed_tokens(input_ids)
-        # One gather for all layers; [N, 1, d/2] each, broadcast over heads.
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return x
+            x, residual = layer(x, residual, self.cos_sin, positions, attn)
+        return x + residual
 
     @torch.inference_mode()
     def compute_logits(self, hidden: Tensor) -> Tensor:

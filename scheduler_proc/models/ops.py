@@ -1,0 +1,83 @@
+"""The decoder's elementwise ops, each in one place: torch (any device) or, on CPUs where
+kernels.available(), zserve's C kernels (kernels/elementwise.c), which round exactly where
+the torch code below does, so the two agree to float32 summation order.
+
+    rms_norm(x, w, eps)               -> y
+    rms_norm(x, w, eps, residual)     -> (y, h)  with h = x + residual, y = rms_norm(h)
+    rope_(x, cos_sin, positions)      rotates x [N, heads, D] in place (heads contiguous)
+    silu_and_mul(gate_up)             -> silu(gate) * up, gate_up = [gate | up] on the last dim
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from scheduler_proc import kernels
+
+
+@functools.cache
+def _on_kernels(device_type: str, dtype: torch.dtype) -> bool:
+    return device_type == "cpu" and kernels.available("cpu", dtype)
+
+
+def _kernel(x: Tensor):
+    """The library if x runs on our kernels, else None."""
+    return kernels.library() if _on_kernels(x.device.type, x.dtype) else None
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
+    """transformers' LlamaRMSNorm: x / rms(x) in float32, cast back, then scaled in the
+    model dtype. With a residual, normalizes h = x + residual and returns (y, h)."""
+    lib = _kernel(x)
+    if lib is None:
+        h = x if residual is None else x + residual
+        hf = h.float()
+        hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+        y = weight * hf.to(h.dtype)
+        return y if residual is None else (y, h)
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d).contiguous()
+    y = torch.empty_like(x2)
+    h = r = None
+    if residual is not None:
+        r = residual.reshape(-1, d).contiguous()
+        h = torch.empty_like(x2)
+    lib.zs_add_rms_norm(int(x.dtype == torch.bfloat16), x2.data_ptr(),
+                        None if r is None else r.data_ptr(), None if h is None else h.data_ptr(),
+                        weight.data_ptr(), eps, x2.shape[0], d, y.data_ptr())
+    y = y.view(x.shape)
+    return y if residual is None else (y, h.view(x.shape))
+
+
+def rope_(x: Tensor, cos_sin: Tensor, positions: Tensor) -> Tensor:
+    """Rotate each (x[i], x[i + D/2]) pair of every head by its position's angle, in place:
+    transformers' `x*cos + rotate_half(x)*sin` with the halves written out.
+    x: [N, heads, D] (a view is fine if each row's heads are contiguous); cos_sin:
+    [max_positions, D] in x's dtype, cos in the first half; positions: [N] int64."""
+    n, heads, d = x.shape
+    lib = _kernel(x)
+    if (lib is None or x.stride(2) != 1 or x.stride(1) != d or d % 2
+            or (d // 2 > 16 and d // 2 % 16)):
+        cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        x1, x2 = x.chunk(2, dim=-1)
+        x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+        return x
+    lib.zs_rope(int(x.dtype == torch.bfloat16), x.data_ptr(), n, x.stride(0), heads, d,
+                cos_sin.data_ptr(), positions.data_ptr())
+    return x
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    lib = _kernel(gate_up)
+    if lib is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    gu = gate_up.contiguous()
+    m, i = gu.shape[0], gu.shape[1] // 2
+    y = torch.empty((m, i), dtype=gu.dtype)
+    lib.zs_silu_mul(int(gu.dtype == torch.bfloat16), gu.data_ptr(), m, i, y.data_ptr())
+    return y

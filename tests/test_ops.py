@@ -1,0 +1,77 @@
+"""The decoder's elementwise ops (scheduler_proc/models/ops.py): our C kernels against the
+torch code they replace, which is transformers' arithmetic. They must round at the same
+places: bfloat16 results may differ only where a float32 sum rounds to the other side of
+a bfloat16 tie (one ulp, rarely), float32 results only in summation order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scheduler_proc import kernels
+from scheduler_proc.models import ops
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def both(monkeypatch, dtype, fn):
+    """fn() on our kernels, then on torch."""
+    if not kernels.available("cpu", dtype):
+        pytest.skip(f"no CPU kernels for {dtype} here")
+    ours = fn()
+    with monkeypatch.context() as m:
+        m.setattr(ops, "_kernel", lambda x: None)
+        ref = fn()
+    return ours, ref
+
+
+def assert_same(ours, ref, dtype, max_diff_fraction=0.01):
+    assert ours.dtype == ref.dtype == dtype and ours.shape == ref.shape
+    if dtype == torch.bfloat16:
+        assert (ours != ref).float().mean() <= max_diff_fraction
+        torch.testing.assert_close(ours, ref, atol=0, rtol=2 ** -7)
+    else:
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, dim", [(1, 576), (7, 64), (130, 100), (3, 17)])
+def test_rms_norm(monkeypatch, dtype, rows, dim):
+    torch.manual_seed(0)
+    x, r = torch.randn(rows, dim, dtype=dtype) * 3, torch.randn(rows, dim, dtype=dtype)
+    w = torch.randn(dim, dtype=dtype)
+    ours, ref = both(monkeypatch, dtype, lambda: ops.rms_norm(x, w, 1e-6))
+    assert_same(ours, ref, dtype)
+    (y, h), (y_ref, h_ref) = both(monkeypatch, dtype, lambda: ops.rms_norm(x, w, 1e-6, r))
+    assert torch.equal(h, h_ref)                    # x + residual: one rounding either way
+    assert_same(y, y_ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, dim", [(12, 64), (3, 128), (2, 16), (1, 8)])
+def test_rope_in_place_on_a_strided_view(monkeypatch, dtype, heads, dim):
+    torch.manual_seed(0)
+    rows, extra = 9, 5                        # each row: heads * dim, then columns left alone
+    base = torch.randn(rows, heads * dim + extra, dtype=dtype)
+    cos_sin = torch.randn(50, dim, dtype=dtype)
+    positions = torch.tensor([0, 49, 3, 3, 7, 1, 20, 30, 2])
+
+    def run():
+        buf = base.clone()
+        out = ops.rope_(buf[:, :heads * dim].view(rows, heads, dim), cos_sin, positions)
+        assert out.data_ptr() == buf.data_ptr()
+        return buf
+
+    ours, ref = both(monkeypatch, dtype, run)
+    assert torch.equal(ours[:, heads * dim:], base[:, heads * dim:])
+    assert_same(ours, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, inter", [(1, 1536), (33, 40), (2, 7)])
+def test_silu_and_mul(monkeypatch, dtype, rows, inter):
+    torch.manual_seed(0)
+    gate_up = torch.randn(rows, 2 * inter, dtype=dtype) * 4
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])      # exp's clamps, and zero
+    ours, ref = both(monkeypatch, dtype, lambda: ops.silu_and_mul(gate_up))
+    assert_same(ours, ref, dtype, max_diff_fraction=0.02)
