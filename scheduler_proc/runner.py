@@ -23,11 +23,6 @@ from wire.server_args import ServerArgs
 log = logging.getLogger(__name__)
 
 CPU_KV_MEMORY_FRACTION = 0.1    # of total RAM, for the default --max-total-tokens on CPU
-# A step of a few tokens is a chain of matrix-vector products bound by memory bandwidth:
-# on CPU a second OpenMP thread adds no bandwidth, only a thread to wait for when another
-# process (API, detokenizer) takes its core. Measured on the 135M shape, bf16, batch 1:
-# 51 ms a token with one thread, 58 with two; at batch 32 two threads win (284 vs 247 tok/s).
-SMALL_STEP_TOKENS = 4
 
 
 @dataclass(slots=True)
@@ -66,7 +61,6 @@ class ModelRunner:
         self.decode_kernel = decode_kernel_fits(self.device, self.dtype, c.num_heads,
                                                 c.num_kv_heads, c.head_dim)
         torch.manual_seed(args.random_seed)
-        self.max_threads = torch.get_num_threads()
         log.info("model %s (%s) on %s/%s, KV pool %d tokens, decode attention on %s",
                  args.model_path, c.architecture, self.device, self.dtype, self.pool_size,
                  "zserve's CPU kernel" if self.decode_kernel else "SDPA")
@@ -113,7 +107,6 @@ class ModelRunner:
                 scored.append((req, first_row + lo - seg.start, lo, hi))
         attn = StepAttention.build(self.cache, self.req_to_token.table, out_slots, decode_rows,
                                    decode_lens, prefills, self.device, self.decode_kernel)
-        self._set_threads(len(ids))
         hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device),
                             torch.tensor(positions, dtype=torch.int64, device=self.device),
                             attn)
@@ -129,13 +122,6 @@ class ModelRunner:
                 req.pending_logprobs = token_logprobs(logits[i:i + 1], [next_ids[i]],
                                                       req.logprob.top_logprobs_num)
         return next_ids
-
-    def _set_threads(self, num_tokens: int) -> None:
-        if self.device.type != "cpu":
-            return
-        want = 1 if num_tokens <= SMALL_STEP_TOKENS else self.max_threads
-        if torch.get_num_threads() != want:
-            torch.set_num_threads(want)
 
     def _score_prompt(self, req: Req, hidden: torch.Tensor, targets: list[int]) -> None:
         """Input logprobs: row j's logits score the prompt token that follows it."""
