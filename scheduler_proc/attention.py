@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from scheduler_proc import kernels
 from scheduler_proc.pool import KVCache
 
-KERNEL_MAX_GROUP, KERNEL_MAX_HEAD_DIM = 16, 256     # attention.c's MAX_GROUP, MAX_D
+KERNEL_MAX_HEADS, KERNEL_MAX_HEAD_DIM = 64, 256     # attention.c's MAX_HEADS, MAX_D
 
 
 def decode_kernel_fits(device: torch.device, dtype: torch.dtype, num_heads: int,
@@ -32,7 +32,7 @@ def decode_kernel_fits(device: torch.device, dtype: torch.dtype, num_heads: int,
     """Can decode rows of this model run on kernels/attention.c?"""
     return (kernels.available(device, dtype) and head_dim % 16 == 0
             and head_dim <= KERNEL_MAX_HEAD_DIM and num_heads % num_kv_heads == 0
-            and num_heads // num_kv_heads <= KERNEL_MAX_GROUP)
+            and num_heads <= KERNEL_MAX_HEADS)
 
 
 @dataclass(slots=True)

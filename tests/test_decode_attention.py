@@ -26,17 +26,20 @@ def dense_decode(cache: KVCache, table, rows, lens, q):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
 @pytest.mark.parametrize("kernel", [True, False])
-def test_decode_matches_dense(dtype, heads, kv_heads, head_dim, kernel):
+@pytest.mark.parametrize("many", [False, True])     # the kernel splits a big batch by row
+def test_decode_matches_dense(dtype, heads, kv_heads, head_dim, kernel, many):
     if kernel and not decode_kernel_fits(torch.device("cpu"), dtype, heads, kv_heads, head_dim):
         pytest.skip("no decode kernel for this CPU / compiler")
     torch.manual_seed(0)
-    ctx, reqs = 300, 6
+    rows = [7, 0, 3, 5, 1, 2]              # out of order, not every row
+    lens = [1, 2, 63, 64, 65, 257]         # one position; around the kernel's 64-block
+    if many:
+        rows, lens = rows + list(range(8, 20)), lens + list(range(100, 112))
+    ctx, reqs = 300, len(rows)
     cache = KVCache(1, reqs * ctx, kv_heads, head_dim, dtype, "cpu")
     cache.kv[0].normal_()
     cache.kv[0][0] = 1e4                   # the padding slot: any leak into a row shows up
-    table = torch.zeros(reqs + 2, ctx, dtype=torch.int64)
-    rows = [7, 0, 3, 5, 1, 2]              # out of order, not every row
-    lens = [1, 2, 63, 64, 65, 257]         # one position; around the kernel's 64-block
+    table = torch.zeros(max(rows) + 2, ctx, dtype=torch.int64)
     slots = torch.randperm(reqs * ctx)[: sum(lens)] + 1
     for row, n in zip(rows, lens):
         table[row, :n], slots = slots[:n], slots[n:]
