@@ -127,10 +127,10 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(model_path, *flags: str, tmpdir):
+def serving(model_path, *flags: str, tmpdir, env: dict | None = None):
     """A Server for the length of a `with` block (a module fixture's body); when the block
     ends it must stop cleanly: SIGTERM, exit 0."""
-    s = Server(model_path, *flags, tmpdir=tmpdir)
+    s = Server(model_path, *flags, tmpdir=tmpdir, env=env)
     try:
         yield s
     finally:

@@ -2,7 +2,9 @@
 
 Greedy output equals transformers' with the radix cache on and off, with prompts sharing
 long prefixes, with chunked prefill forced by a tiny chunk, and with retraction forced by a
-tiny KV pool; cached_tokens is reported; the pool is whole again once idle.
+tiny KV pool; cached_tokens is reported; the pool is whole again once idle. One config
+turns our CPU kernels off (ZSERVE_CPU_KERNELS=0), so torch's fallback path is held to the
+same checks.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ pytestmark = pytest.mark.e2e
 
 MAX_NEW = 20
 GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
-CONFIGS = {
-    "radix": (),
-    "no-radix-tiny-chunk": ("--disable-radix-cache", "--chunked-prefill-size", "7"),
-    "tiny-pool": ("--max-total-tokens", "160", "--chunked-prefill-size", "16"),
+CONFIGS = {                                    # name: (flags, environment)
+    "radix": ((), None),
+    "no-radix-tiny-chunk": (("--disable-radix-cache", "--chunked-prefill-size", "7"), None),
+    "tiny-pool": (("--max-total-tokens", "160", "--chunked-prefill-size", "16"), None),
+    "torch-kernels": (("--chunked-prefill-size", "16"), {"ZSERVE_CPU_KERNELS": "0"}),
 }
 
 
@@ -53,8 +56,9 @@ def family(request):
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def server(request, family, tiny_model, tmp_path_factory):
-    with serving(tiny_model(family), *CONFIGS[request.param],
-                 tmpdir=tmp_path_factory.mktemp("srv")) as s:
+    flags, env = CONFIGS[request.param]
+    with serving(tiny_model(family), *flags, tmpdir=tmp_path_factory.mktemp("srv"),
+                 env=env) as s:
         s.config = request.param
         s.model_dir = tiny_model(family)
         yield s

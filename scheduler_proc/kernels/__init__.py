@@ -10,8 +10,9 @@ The C files are compiled together on first use with the system C compiler (`cc`,
 with ctypes (which releases the GIL for each call). They run their threads on the libgomp
 that torch has already loaded, so torch.set_num_threads holds for them too.
 `available(device, dtype)` is false where the CPU lacks the instructions a dtype's kernels
-need (float32: AVX-512F; bfloat16: also AVX512_BF16) or the compiler is missing or fails;
-callers then fall back to torch (oneDNN, SDPA).
+need (float32: AVX-512F; bfloat16: also AVX512_BF16), where the compiler is missing or
+fails, or where ZSERVE_CPU_KERNELS=0 is set (to compare, or to rule them out); callers then
+fall back to torch (oneDNN-packed linears, SDPA, plain elementwise ops).
 """
 
 from __future__ import annotations
@@ -69,10 +70,14 @@ def _cpu_flags() -> frozenset[str]:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, built once per source version; None if they cannot be built."""
+    return build_library(default_cache_root() / "kernels", os.environ.get("CC", "cc"))
+
+
+def build_library(out_dir: pathlib.Path, cc: str) -> ctypes.CDLL | None:
+    """Compile (unless out_dir already holds this version) and load the kernels."""
     digest = hashlib.sha256(" ".join(COMPILE).encode())
     for src in SOURCES + HEADERS:
         digest.update(src.name.encode() + src.read_bytes())
-    out_dir = default_cache_root() / "kernels"
     lib_path = out_dir / f"zserve-cpu-{digest.hexdigest()[:16]}.so"
     try:
         if not lib_path.exists():
@@ -81,7 +86,7 @@ def library() -> ctypes.CDLL | None:
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
             os.close(fd)
             try:
-                subprocess.run([os.environ.get("CC", "cc"), *COMPILE, "-o", tmp,
+                subprocess.run([cc, *COMPILE, "-o", tmp,
                                 *map(str, SOURCES), "-lm"],
                                check=True, capture_output=True, text=True, timeout=300)
                 os.replace(tmp, lib_path)
@@ -102,4 +107,5 @@ def library() -> ctypes.CDLL | None:
 def available(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Can this device and dtype run on our kernels?"""
     return (torch.device(device).type == "cpu" and dtype in CPU_FLAGS
+            and os.environ.get("ZSERVE_CPU_KERNELS", "1") != "0"
             and CPU_FLAGS[dtype] <= _cpu_flags() and library() is not None)
