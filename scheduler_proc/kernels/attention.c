@@ -27,6 +27,24 @@
 #define MAX_HEADS 64     /* query heads */
 #define MAX_D 256
 
+/* The 16 horizontal sums of v[0..15], as one vector: lane i = sum of v[i]'s lanes. A
+ * transpose-and-add tree, 45 instructions where 16 separate reductions take ~120. */
+INLINE TARGET_F32 __m512 sum16(const __m512 v[16]) {
+    __m512 w[8], x[4];
+    for (int k = 0; k < 8; k++)     /* per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3 */
+        w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                             _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++)     /* per 128-bit lane: the lane's sums of v[4k .. 4k+3] */
+        x[k] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 /* Ask for every cache line of n slots' rows (the K/V of all heads). */
 INLINE void prefetch_rows(const void *kv, const int64_t *slots, int64_t n, int64_t row_bytes) {
     for (int64_t t = 0; t < n; t++) {
@@ -67,12 +85,19 @@ INLINE TARGET void decode_task(const int bf16, const int nd, const void *q, cons
             for (int d = 0; d < nd; d++)
                 qv[d] = _mm512_mul_ps(load16(bf16, qh + d * 16 * esz, 0xFFFF),
                                       _mm512_set1_ps(scale));
-            for (int64_t t = 0; t < n; t++) {                 /* scores */
-                const char *k = kbase + blk[t] * row_bytes;
-                __m512 dot = _mm512_mul_ps(qv[0], load16(bf16, k, 0xFFFF));
-                for (int d = 1; d < nd; d++)
-                    dot = _mm512_fmadd_ps(qv[d], load16(bf16, k + d * 16 * esz, 0xFFFF), dot);
-                s[t] = _mm512_reduce_add_ps(dot);
+            for (int64_t t = 0; t < n; t += 16) {             /* scores, 16 at a time */
+                const int64_t cnt = n - t < 16 ? n - t : 16;
+                __m512 dots[16];
+                for (int j = 0; j < 16; j++) {
+                    if (j >= cnt) { dots[j] = _mm512_setzero_ps(); continue; }
+                    const char *k = kbase + blk[t + j] * row_bytes;
+                    __m512 dot = _mm512_mul_ps(qv[0], load16(bf16, k, 0xFFFF));
+                    for (int d = 1; d < nd; d++)
+                        dot = _mm512_fmadd_ps(qv[d], load16(bf16, k + d * 16 * esz, 0xFFFF),
+                                              dot);
+                    dots[j] = dot;
+                }
+                _mm512_mask_storeu_ps(s + t, tail_mask(cnt), sum16(dots));
             }
             __m512 vmax = _mm512_set1_ps(m[h]);                /* (a separate pass: no chain */
             for (int64_t t = 0; t < n; t += 16)                /*  through the scores loop) */
