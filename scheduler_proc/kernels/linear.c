@@ -25,16 +25,20 @@
 #define MR 8    /* rows of x per tile */
 #define NR 3    /* panels (of 16 outputs) per tile */
 
+INLINE TARGET_F32 void zero_tile(const int mr, const int nr, __m512 acc[MR][NR]) {
+#pragma GCC unroll 8
+    for (int i = 0; i < mr; i++)
+#pragma GCC unroll 3
+        for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
+}
+
 /* ---- float32 ------------------------------------------------------------------------- */
 
 INLINE TARGET_F32 void tile_f32(const int mr, const int nr, const float *x, int64_t K,
                                 const float *p, int64_t pstride, const float *bias,
                                 float *y, int64_t N, int64_t n0) {
     __m512 acc[MR][NR];
-#pragma GCC unroll 8
-    for (int i = 0; i < mr; i++)
-#pragma GCC unroll 3
-        for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
+    zero_tile(mr, nr, acc);
     for (int64_t k = 0; k < K; k++) {
         __m512 b[NR];
 #pragma GCC unroll 3
@@ -59,12 +63,11 @@ INLINE TARGET_F32 void tile_f32(const int mr, const int nr, const float *x, int6
 
 /* ---- bfloat16 ------------------------------------------------------------------------ */
 
-
 /* One pair of k (k = 2 * k2, 2 * k2 + 1) into every accumulator; `half`: K is odd and this
  * is its last k, whose pair partner is the zero padding (x has no element there). */
 INLINE TARGET void pair_bf16(const int mr, const int nr, __m512 acc[MR][NR],
-                                  const uint16_t *x, int64_t K, const uint16_t *p,
-                                  int64_t pstride, int64_t k2, const int half) {
+                             const uint16_t *x, int64_t K, const uint16_t *p, int64_t pstride,
+                             int64_t k2, const int half) {
     __m512i b[NR];
 #pragma GCC unroll 3
     for (int j = 0; j < nr; j++) b[j] = _mm512_loadu_si512(p + j * pstride + k2 * 32);
@@ -80,13 +83,10 @@ INLINE TARGET void pair_bf16(const int mr, const int nr, __m512 acc[MR][NR],
 }
 
 INLINE TARGET void tile_bf16(const int mr, const int nr, const uint16_t *x, int64_t K,
-                                  const uint16_t *p, int64_t pstride, const uint16_t *bias,
-                                  uint16_t *y, int64_t N, int64_t n0) {
+                             const uint16_t *p, int64_t pstride, const uint16_t *bias,
+                             uint16_t *y, int64_t N, int64_t n0) {
     __m512 acc[MR][NR];
-#pragma GCC unroll 8
-    for (int i = 0; i < mr; i++)
-#pragma GCC unroll 3
-        for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
+    zero_tile(mr, nr, acc);
     for (int64_t k2 = 0; k2 < K / 2; k2++) pair_bf16(mr, nr, acc, x, K, p, pstride, k2, 0);
     if (K & 1) pair_bf16(mr, nr, acc, x, K, p, pstride, K / 2, 1);
 #pragma GCC unroll 3
