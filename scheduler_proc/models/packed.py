@@ -1,5 +1,8 @@
 """PackedLinear: linear layers whose weights oneDNN re-lays-out once, at load time, for CPU.
 
+The fallback where our own kernel (cpu_linear.py) cannot run: no AVX-512 (AVX512_BF16 for
+bfloat16), no C compiler, or ZSERVE_CPU_KERNELS=0.
+
 On this class of CPU the packed GEMM is about 2x faster than F.linear (MKL) in float32 at
 the shapes of a decode step (M = 32 rows, K = 576: 67 -> 34 ms for a 135M model's MLPs),
 1.5x at M = 1, and 5-25% faster in bfloat16, with bfloat16 results bit-identical. In
