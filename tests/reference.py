@@ -1,8 +1,9 @@
 """Hugging Face transformers greedy decoding: the reference our model runner must match.
 
-`greedy_reference` runs a plain greedy loop over the KV cache (float32, eval, no_grad, eager
-attention, no EOS stop) and also returns each step's top-1 minus top-2 logit margin, so a
-test can tell a real mismatch from a near-tie that float rounding may legitimately flip.
+`greedy_reference` runs a plain greedy loop over the KV cache (float32 unless asked for
+another dtype, eval, no_grad, eager attention, no EOS stop) and also returns each step's
+top-1 minus top-2 logit margin, so a test can tell a real mismatch from a near-tie that
+float rounding may legitimately flip.
 `assert_greedy_match` compares our ids with the reference up to its first near-tie.
 """
 
@@ -12,32 +13,32 @@ import pathlib
 
 import torch
 
-_MODELS: dict[str, object] = {}
+_MODELS: dict[tuple[str, torch.dtype], object] = {}
 
 
-def _load(model_dir):
-    """The transformers model for model_dir, loaded once per process."""
-    key = str(pathlib.Path(model_dir).resolve())
+def _load(model_dir, dtype: torch.dtype = torch.float32):
+    """The transformers model for model_dir in dtype, loaded once per process."""
+    key = (str(pathlib.Path(model_dir).resolve()), dtype)
     if key not in _MODELS:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(
-            key, dtype=torch.float32, attn_implementation="eager")
+            key[0], dtype=dtype, attn_implementation="eager")
         model.eval()
         _MODELS[key] = model
     return _MODELS[key]
 
 
 @torch.no_grad()
-def greedy_reference(model_dir, prompt_ids: list[int],
-                     max_new_tokens: int) -> tuple[list[int], list[float]]:
+def greedy_reference(model_dir, prompt_ids: list[int], max_new_tokens: int,
+                     dtype: torch.dtype = torch.float32) -> tuple[list[int], list[float]]:
     """Greedy continuation of prompt_ids by transformers, and the margin of each choice.
 
     Returns (ids, margins), both max_new_tokens long; margins[i] is top1 - top2 of the
     logits that chose ids[i]. Does not stop at EOS."""
     if not prompt_ids:
         raise ValueError("prompt_ids must not be empty")
-    model = _load(model_dir)
+    model = _load(model_dir, dtype)
     # One intra-op thread: tiny matmuls gain nothing from more, and on a loaded machine
     # (a test server running next to us) spinning OpenMP workers make each step ~30x slower.
     threads = torch.get_num_threads()

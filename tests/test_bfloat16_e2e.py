@@ -1,0 +1,52 @@
+"""End to end in bfloat16: a server launched with --dtype bfloat16 (on CPU: our bf16
+kernels for linears, decode attention and the elementwise ops, where the CPU has them)
+decodes greedily like transformers in bfloat16, up to the reference's first near-tie.
+
+bfloat16 keeps 8 bits of mantissa (logits near 30 are 0.125 apart) and two bf16 stacks
+round at different places (ours: float32 softmax and p.v; transformers' eager: bf16
+matmuls), so their top-1 / top-2 margins differ by up to ~0.5 here (transformers' own bf16
+and float32 margins do too). A "near tie" is therefore a margin under BF16_TIE = 1 logit,
+not float32's 1e-3; the test asserts that enough decisive steps were compared to mean
+something.
+"""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from tests.conftest import FAMILIES
+from tests.reference import assert_greedy_match, first_near_tie, greedy_reference
+from tests.server import serving
+
+pytestmark = pytest.mark.e2e
+
+MAX_NEW = 16
+BF16_TIE = 1.0
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def server(request, tiny_model, tmp_path_factory):
+    with serving(tiny_model(request.param), "--dtype", "bfloat16",
+                 tmpdir=tmp_path_factory.mktemp("srv")) as s:
+        s.model_dir = tiny_model(request.param)
+        yield s
+
+
+def test_greedy_matches_transformers_bfloat16(server):
+    rng = random.Random(7)
+    prompts = [[rng.randrange(5, 700) for _ in range(n)] for n in (3, 17, 40, 90)]
+    body = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+    with ThreadPoolExecutor(len(prompts)) as pool:     # decoded together, as one batch
+        outs = list(pool.map(lambda p: server.generate_ok(input_ids=p, sampling_params=body),
+                             prompts))
+    compared = 0
+    for prompt, out in zip(prompts, outs):
+        ref_ids, margins = greedy_reference(server.model_dir, prompt, MAX_NEW, torch.bfloat16)
+        assert_greedy_match(out["output_ids"], ref_ids, margins, tie_tol=BF16_TIE)
+        tie = first_near_tie(margins, BF16_TIE)
+        compared += MAX_NEW if tie is None else tie
+    assert compared >= 8, f"only {compared} decisive steps: the check says little"
