@@ -42,6 +42,10 @@ def resolve_args(args: ServerArgs) -> ServerArgs:
     config = ModelConfig.from_dir(args.model_path)
     if args.context_length is None:
         args.context_length = config.max_position_embeddings
+    if args.context_length > config.max_position_embeddings:
+        # RoPE is defined (and its table built) for the model's positions only.
+        raise SystemExit(f"zserve: --context-length {args.context_length} is longer than the "
+                         f"model's max_position_embeddings ({config.max_position_embeddings})")
     window = config.sliding_window
     if window is not None and args.context_length > window:
         # Attention here is full attention: exact only while sequences fit in the window.

@@ -24,14 +24,14 @@ import torch.nn.functional as F
 from scheduler_proc import kernels
 from scheduler_proc.pool import KVCache
 
-KERNEL_MAX_HEADS, KERNEL_MAX_HEAD_DIM = 64, 256     # attention.c's MAX_HEADS, MAX_D
+KERNEL_MAX_HEADS, KERNEL_HEAD_DIMS = 64, (32, 64, 128, 256)     # as in attention.c
 
 
 def decode_kernel_fits(device: torch.device, dtype: torch.dtype, num_heads: int,
                        num_kv_heads: int, head_dim: int) -> bool:
     """Can decode rows of this model run on kernels/attention.c?"""
-    return (kernels.available(device, dtype) and head_dim % 16 == 0
-            and head_dim <= KERNEL_MAX_HEAD_DIM and num_heads % num_kv_heads == 0
+    return (kernels.available(device, dtype) and head_dim in KERNEL_HEAD_DIMS
+            and num_heads % num_kv_heads == 0
             and num_heads <= KERNEL_MAX_HEADS)
 
 

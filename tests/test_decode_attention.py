@@ -51,3 +51,19 @@ def test_decode_matches_dense(dtype, heads, kv_heads, head_dim, kernel, many):
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), dense_decode(cache, table, rows, lens, q),
                                atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_key_poisons_its_row_only(dtype):
+    """As in SDPA: a NaN in a row's keys makes that row's output NaN; other rows are intact."""
+    if not decode_kernel_fits(torch.device("cpu"), dtype, 4, 2, 64):
+        pytest.skip("no decode kernel for this CPU / compiler")
+    cache = KVCache(1, 40, 2, 64, dtype, "cpu")
+    cache.kv[0].normal_()
+    table = torch.arange(1, 41).view(2, 20)
+    cache.kv[0][5, 0, 1, 7] = float("nan")             # row 0's position 4, KV head 1
+    q = torch.randn(2, 4, 64, dtype=dtype)
+    out = StepAttention.build(cache, table, [1, 2], [0, 1], [20, 20], [], "cpu",
+                              decode_kernel=True)._decode(0, q)
+    assert out[0, 2:].isnan().all() and not out[0, :2].isnan().any()
+    assert not out[1].isnan().any()

@@ -133,3 +133,20 @@ def test_request_in_flight_fails_with_503_when_a_child_dies(tiny_model, tmp_path
         assert s.proc.wait(timeout=30) != 0
     finally:
         s.kill()
+
+
+def test_context_longer_than_the_model_is_refused_at_startup(tiny_model):
+    """RoPE is only defined up to max_position_embeddings: say so and exit non-zero,
+    rather than serve positions the model has no table for."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.server import REPO
+    path = tiny_model("llama")
+    limit = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    r = subprocess.run([sys.executable, str(REPO / "launch.py"), "--model-path", str(path),
+                        "--context-length", str(limit + 1)],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert f"longer than the model's max_position_embeddings ({limit})" in r.stderr

@@ -157,6 +157,14 @@ def test_cpu_linear_kernels_agree_with_f_linear(dtype):
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, w, b),
                                atol=1e-4 if dtype == torch.float32 else 0, rtol=2 ** -7)
     assert layer(torch.empty(0, k, dtype=dtype)).shape == (0, n)
+    # Leading dims pass through; what the C side cannot take is refused, not misread.
+    x = torch.randn(2, 3, k, dtype=dtype)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, w, b),
+                               atol=1e-4 if dtype == torch.float32 else 0, rtol=2 ** -7)
+    other = torch.float64 if dtype == torch.float32 else torch.float32
+    for bad in (torch.randn(4, k + 1, dtype=dtype), torch.randn(4, k, dtype=other)):
+        with pytest.raises(ValueError, match="CpuLinear"):
+            layer(bad)
 
 
 def test_sharded_checkpoint(tmp_path):

@@ -48,7 +48,7 @@ def test_rms_norm(monkeypatch, dtype, rows, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads, dim", [(12, 64), (3, 128), (2, 16), (1, 8)])
+@pytest.mark.parametrize("heads, dim", [(12, 64), (3, 128), (2, 16), (1, 8), (2, 40)])
 def test_rope_in_place_on_a_strided_view(monkeypatch, dtype, heads, dim):
     torch.manual_seed(0)
     rows, extra = 9, 5                        # each row: heads * dim, then columns left alone
@@ -75,3 +75,12 @@ def test_silu_and_mul(monkeypatch, dtype, rows, inter):
     gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])      # exp's clamps, and zero
     ours, ref = both(monkeypatch, dtype, lambda: ops.silu_and_mul(gate_up))
     assert_same(ours, ref, dtype, max_diff_fraction=0.02)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_propagates_like_torch(monkeypatch, dtype):
+    """A NaN (a numerical blow-up upstream) must stay visible, not be clamped away."""
+    gate_up = torch.randn(2, 32, dtype=dtype)
+    gate_up[1, 3] = float("nan")
+    ours, ref = both(monkeypatch, dtype, lambda: ops.silu_and_mul(gate_up))
+    assert torch.equal(ours.isnan(), ref.isnan()) and ours.isnan().any()

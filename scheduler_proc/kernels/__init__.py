@@ -10,7 +10,7 @@ The C files are compiled together on first use with the system C compiler (`cc`,
 with ctypes (which releases the GIL for each call). They run their threads on the libgomp
 that torch has already loaded, so torch.set_num_threads holds for them too.
 `available(device, dtype)` is false where the CPU lacks the instructions a dtype's kernels
-need (float32: AVX-512F; bfloat16: also AVX512_BF16), where the compiler is missing or
+need (float32: AVX-512 F, BW and VL; bfloat16: also AVX512_BF16), where the compiler is missing or
 fails, or where ZSERVE_CPU_KERNELS=0 is set (to compare, or to rule them out); callers then
 fall back to torch (oneDNN-packed linears, SDPA, plain elementwise ops).
 """
@@ -38,7 +38,7 @@ HEADERS = sorted(HERE.glob("*.h"))
 # No -march: each function names the instructions it needs (simd.h), and available()
 # checks the CPU has them. fp-contract=off: elementwise.c rounds like torch, unfused.
 COMPILE = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off"]
-CPU_FLAGS = {torch.float32: {"avx512f"},
+CPU_FLAGS = {torch.float32: {"avx512f", "avx512bw", "avx512vl"},
              torch.bfloat16: {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}}
 
 _p, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -75,7 +75,7 @@ def library() -> ctypes.CDLL | None:
 
 def build_library(out_dir: pathlib.Path, cc: str) -> ctypes.CDLL | None:
     """Compile (unless out_dir already holds this version) and load the kernels."""
-    digest = hashlib.sha256(" ".join(COMPILE).encode())
+    digest = hashlib.sha256(" ".join([cc, *COMPILE]).encode())
     for src in SOURCES + HEADERS:
         digest.update(src.name.encode() + src.read_bytes())
     lib_path = out_dir / f"zserve-cpu-{digest.hexdigest()[:16]}.so"

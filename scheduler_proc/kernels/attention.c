@@ -9,8 +9,8 @@
  *
  * Query head h reads KV head h / (H / Hkv) (grouped-query attention). Softmax is online
  * (flash-decoding style, in blocks of BLOCK positions), all in float32; bfloat16 K/V are
- * widened on load and the output rounded once. D must be a multiple of 16 up to MAX_D, and
- * H at most MAX_HEADS (attention.py checks both).
+ * widened on load and the output rounded once. D must be 32, 64, 128 or 256 and H at most
+ * MAX_HEADS (attention.py checks both).
  *
  * Measured at 32 rows of 96 positions, 9/3 heads of 64, float32, 2 threads: 100 us a layer
  * with K/V in cache, 265 us a layer before the rows were read once per task and the query
@@ -133,42 +133,36 @@ INLINE TARGET void decode_task(const int bf16, const int nd, const void *q, cons
     }
 }
 
-#define TASK(nd_) decode_task(bf16, nd_, qb, kv, table + rows[b] * ctx, lens[b], H, Hkv, \
-                             g0, g1, scale, ob)
+#define TASK(bf16_, nd_) decode_task(bf16_, nd_, qb, kv, table + rows[b] * ctx, lens[b], H, \
+                                    Hkv, g0, g1, scale, ob)
+#define TASKS(bf16_)                                                                    \
+    switch (D) {                                                                        \
+    case 32: TASK(bf16_, 2); break;   case 64: TASK(bf16_, 4); break;                   \
+    case 128: TASK(bf16_, 8); break;  case 256: TASK(bf16_, 16); break;                 \
+    }
 
-INLINE TARGET void decode_all(const int bf16, const void *q, const void *kv,
-                              const int64_t *table, int64_t ctx, const int64_t *rows,
-                              const int64_t *lens, int64_t B, int64_t H, int64_t Hkv,
-                              int64_t D, float scale, void *out) {
+/* bf16: q, kv and out are bfloat16 (else float32); D is one of KERNEL_HEAD_DIMS. */
+TARGET void zs_decode_attention(int bf16, const void *q, const void *kv, const int64_t *table,
+                                int64_t ctx, const int64_t *rows, const int64_t *lens,
+                                int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale,
+                                void *out) {
     const int64_t esz = bf16 ? 2 : 4;
     /* A task is a row (all its KV heads: its K/V rows are read once), or for a batch too
      * small to keep every thread busy, one KV head of a row. */
     const int64_t per_task = B >= 4 * omp_get_max_threads() ? Hkv : 1;
     const int64_t tasks_per_row = Hkv / per_task;
+    /* dtype and head size are picked inside the loop: OpenMP outlines the loop body before
+     * inlining, so only there do they become constants of each decode_task copy. */
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t task = 0; task < B * tasks_per_row; task++) {
         const int64_t b = task / tasks_per_row;
         const int64_t g0 = task % tasks_per_row * per_task, g1 = g0 + per_task;
         const char *qb = (const char *)q + b * H * D * esz;
         char *ob = (char *)out + b * H * D * esz;
-        switch (D / 16) {       /* head_dim 16 .. 256 */
-        case 1: TASK(1); break;   case 2: TASK(2); break;   case 3: TASK(3); break;
-        case 4: TASK(4); break;   case 5: TASK(5); break;   case 6: TASK(6); break;
-        case 7: TASK(7); break;   case 8: TASK(8); break;   case 9: TASK(9); break;
-        case 10: TASK(10); break; case 11: TASK(11); break; case 12: TASK(12); break;
-        case 13: TASK(13); break; case 14: TASK(14); break; case 15: TASK(15); break;
-        case 16: TASK(16); break;
+        if (bf16) {
+            TASKS(1)
+        } else {
+            TASKS(0)
         }
     }
-}
-
-/* bf16: q, kv and out are bfloat16 (else float32). */
-TARGET void zs_decode_attention(int bf16, const void *q, const void *kv, const int64_t *table,
-                                int64_t ctx, const int64_t *rows, const int64_t *lens,
-                                int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale,
-                                void *out) {
-    if (bf16)
-        decode_all(1, q, kv, table, ctx, rows, lens, B, H, Hkv, D, scale, out);
-    else
-        decode_all(0, q, kv, table, ctx, rows, lens, B, H, Hkv, D, scale, out);
 }

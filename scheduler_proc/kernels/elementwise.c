@@ -41,75 +41,72 @@ INLINE TARGET void norm_row(const int bf16, const void *x, const void *r, void *
     }
 }
 
-INLINE TARGET void norm_all(const int bf16, const void *x, const void *r, void *h,
-                            const void *w, float eps, int64_t M, int64_t D, void *y) {
-    const int64_t esz = bf16 ? 2 : 4;
-#pragma omp parallel for schedule(static) if (M >= 64)
-    for (int64_t i = 0; i < M; i++)
-        norm_row(bf16, (const char *)x + i * D * esz, r ? (const char *)r + i * D * esz : 0,
-                 h ? (char *)h + i * D * esz : 0, w, eps, D, (char *)y + i * D * esz);
-}
-
 TARGET void zs_add_rms_norm(int bf16, const void *x, const void *r, void *h, const void *w,
                             float eps, int64_t M, int64_t D, void *y) {
-    if (bf16) norm_all(1, x, r, h, w, eps, M, D, y);
-    else norm_all(0, x, r, h, w, eps, M, D, y);
+    const int64_t row = D * (bf16 ? 2 : 4);
+#pragma omp parallel for schedule(static) if (M >= 64)
+    for (int64_t i = 0; i < M; i++) {
+        const char *xi = (const char *)x + i * row, *ri = r ? (const char *)r + i * row : 0;
+        char *hi = h ? (char *)h + i * row : 0, *yi = (char *)y + i * row;
+        if (bf16) norm_row(1, xi, ri, hi, w, eps, D, yi);   /* dtype picked in the loop: */
+        else norm_row(0, xi, ri, hi, w, eps, D, yi);        /* see simd.h */
+    }
 }
 
 /* ---- rope: rotate, in place, heads [0, heads) of each row of x (row stride `stride`
  *      elements, head h at h * D), at position pos[i]; cos_sin: [*, D] rows, cos in the
- *      first D/2 columns, sin in the last. D/2 must be a multiple of 16 or less than 16. -- */
+ *      first D/2 columns, sin in the last; D even. ------------------------------------ */
 
-INLINE TARGET void rope_all(const int bf16, void *x, int64_t M, int64_t stride,
+INLINE TARGET void rope_row(const int bf16, void *x, int64_t i, int64_t stride,
                             int64_t heads, int64_t D, const void *cos_sin,
                             const int64_t *pos) {
     const int64_t esz = bf16 ? 2 : 4, half = D / 2;
-#pragma omp parallel for schedule(static) if (M >= 64)
-    for (int64_t i = 0; i < M; i++) {
-        const char *cs = (const char *)cos_sin + pos[i] * D * esz;
-        for (int64_t hd = 0; hd < heads; hd++) {
-            char *x1p = (char *)x + (i * stride + hd * D) * esz, *x2p = x1p + half * esz;
-            for (int64_t d = 0; d < half; d += 16) {
-                __mmask16 m = tail_mask(half - d);
-                __m512 c = load16(bf16, cs + d * esz, m), s = load16(bf16, cs + (half + d) * esz, m);
-                __m512 x1 = load16(bf16, x1p + d * esz, m), x2 = load16(bf16, x2p + d * esz, m);
-                __m512 o1 = _mm512_sub_ps(round_bf(bf16, _mm512_mul_ps(x1, c)),
-                                          round_bf(bf16, _mm512_mul_ps(x2, s)));
-                __m512 o2 = _mm512_add_ps(round_bf(bf16, _mm512_mul_ps(x2, c)),
-                                          round_bf(bf16, _mm512_mul_ps(x1, s)));
-                store16(bf16, x1p + d * esz, m, o1);
-                store16(bf16, x2p + d * esz, m, o2);
-            }
+    const char *cs = (const char *)cos_sin + pos[i] * D * esz;
+    for (int64_t hd = 0; hd < heads; hd++) {
+        char *x1p = (char *)x + (i * stride + hd * D) * esz, *x2p = x1p + half * esz;
+        for (int64_t d = 0; d < half; d += 16) {
+            __mmask16 m = tail_mask(half - d);
+            __m512 c = load16(bf16, cs + d * esz, m), s = load16(bf16, cs + (half + d) * esz, m);
+            __m512 x1 = load16(bf16, x1p + d * esz, m), x2 = load16(bf16, x2p + d * esz, m);
+            __m512 o1 = _mm512_sub_ps(round_bf(bf16, _mm512_mul_ps(x1, c)),
+                                      round_bf(bf16, _mm512_mul_ps(x2, s)));
+            __m512 o2 = _mm512_add_ps(round_bf(bf16, _mm512_mul_ps(x2, c)),
+                                      round_bf(bf16, _mm512_mul_ps(x1, s)));
+            store16(bf16, x1p + d * esz, m, o1);
+            store16(bf16, x2p + d * esz, m, o2);
         }
     }
 }
 
 TARGET void zs_rope(int bf16, void *x, int64_t M, int64_t stride, int64_t heads, int64_t D,
                     const void *cos_sin, const int64_t *pos) {
-    if (bf16) rope_all(1, x, M, stride, heads, D, cos_sin, pos);
-    else rope_all(0, x, M, stride, heads, D, cos_sin, pos);
+#pragma omp parallel for schedule(static) if (M >= 64)
+    for (int64_t i = 0; i < M; i++) {
+        if (bf16) rope_row(1, x, i, stride, heads, D, cos_sin, pos);
+        else rope_row(0, x, i, stride, heads, D, cos_sin, pos);
+    }
 }
 
 /* ---- silu_mul: gu [M, 2I] (gate | up) -> y [M, I] ---------------------------------------- */
 
-INLINE TARGET void silu_all(const int bf16, const void *gu, int64_t M, int64_t I, void *y) {
+INLINE TARGET void silu_row(const int bf16, const void *gu, int64_t i, int64_t I, void *y) {
     const int64_t esz = bf16 ? 2 : 4;
-#pragma omp parallel for schedule(static) if (M * I >= 65536)
-    for (int64_t i = 0; i < M; i++) {
-        const char *g = (const char *)gu + i * 2 * I * esz, *u = g + I * esz;
-        char *o = (char *)y + i * I * esz;
-        for (int64_t d = 0; d < I; d += 16) {
-            __mmask16 m = tail_mask(I - d);
-            __m512 gv = load16(bf16, g + d * esz, m);
-            __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f),
-                                                        exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-            store16(bf16, o + d * esz, m,
-                    _mm512_mul_ps(round_bf(bf16, sv), load16(bf16, u + d * esz, m)));
-        }
+    const char *g = (const char *)gu + i * 2 * I * esz, *u = g + I * esz;
+    char *o = (char *)y + i * I * esz;
+    for (int64_t d = 0; d < I; d += 16) {
+        __mmask16 m = tail_mask(I - d);
+        __m512 gv = load16(bf16, g + d * esz, m);
+        __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(
+            _mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        store16(bf16, o + d * esz, m,
+                _mm512_mul_ps(round_bf(bf16, sv), load16(bf16, u + d * esz, m)));
     }
 }
 
 TARGET void zs_silu_mul(int bf16, const void *gu, int64_t M, int64_t I, void *y) {
-    if (bf16) silu_all(1, gu, M, I, y);
-    else silu_all(0, gu, M, I, y);
+#pragma omp parallel for schedule(static) if (M * I >= 65536)
+    for (int64_t i = 0; i < M; i++) {
+        if (bf16) silu_row(1, gu, i, I, y);
+        else silu_row(0, gu, i, I, y);
+    }
 }

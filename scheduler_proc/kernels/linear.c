@@ -14,7 +14,8 @@
  * after the bias is added (as oneDNN does). Threads (OpenMP: the libgomp that torch has
  * already loaded, so torch.set_num_threads applies) split the panels.
  *
- * x and y are contiguous row-major; nothing here allocates or checks: cpu_linear.py does.
+ * x and y are contiguous row-major; nothing here allocates or checks: CpuLinear checks
+ * x's dtype and width and makes it contiguous.
  */
 #include <immintrin.h>
 #include <stdint.h>

@@ -1,6 +1,8 @@
 /* Shared AVX-512 helpers for zserve's CPU kernels: 16 float32 lanes at a time, loaded from
- * and stored to float32 or bfloat16 memory (`bf16` is a compile-time constant at every
- * inlined call site, so each kernel gets one copy per dtype without branches).
+ * and stored to float32 or bfloat16 memory. `bf16` must be a compile-time constant where
+ * they are inlined, so each kernel gets one branch-free copy per dtype; GCC outlines an
+ * OpenMP region before it inlines, so kernels pick the dtype inside their parallel loops.
+ * bfloat16 conversions flush values below ~1.2e-38 to zero (vcvtneps2bf16, vdpbf16ps).
  */
 #ifndef ZSERVE_SIMD_H
 #define ZSERVE_SIMD_H
@@ -38,10 +40,11 @@ INLINE TARGET __m512 round_bf(const int bf16, __m512 v) {
     return bf16 ? bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(v)) : v;
 }
 
-/* e^x as 2^n * p(r), r = x - n ln2: relative error < 2e-7; like expf, it overflows to inf
- * and underflows to 0 (scalef saturates; the clamp only keeps r finite). */
+/* e^x as 2^n * p(r), r = x - n ln2: relative error < 2e-7; like expf, it overflows to inf,
+ * underflows to 0 (scalef saturates; the clamp only keeps r finite) and keeps NaN (x86
+ * min/max return their second operand when either is NaN). */
 INLINE TARGET_F32 __m512 exp_ps(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-1e4f)), _mm512_set1_ps(1e4f));
+    x = _mm512_min_ps(_mm512_set1_ps(1e4f), _mm512_max_ps(_mm512_set1_ps(-1e4f), x));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);

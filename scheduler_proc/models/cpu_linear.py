@@ -33,7 +33,7 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 class CpuLinear(nn.Module):
-    """Only where kernels.available(cpu, weight.dtype); inputs must have the weight's dtype."""
+    """Only where kernels.available(cpu, weight.dtype)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -41,16 +41,20 @@ class CpuLinear(nn.Module):
         self.weight = nn.Parameter(to_panels(weight.detach()), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().contiguous(),
                                                            requires_grad=False)
+        self.dtype = weight.dtype               # of x, y and the bias
         lib = kernels.library()
         self._kernel = lib.zs_linear_f32 if weight.dtype == torch.float32 else lib.zs_linear_bf16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [M, in_features] -> [M, out_features]."""
-        x = x.contiguous()
-        m = x.shape[0]
+        """x: [..., in_features] in the weight's dtype -> [..., out_features]."""
+        if x.dtype != self.dtype or x.shape[-1] != self.in_features or x.device.type != "cpu":
+            raise ValueError(f"CpuLinear({self.in_features} -> {self.out_features}, "
+                             f"{self.dtype}) got {tuple(x.shape)} {x.dtype} on {x.device}")
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        m = x2.shape[0]
         y = torch.empty((m, self.out_features), dtype=x.dtype)
         if m:
-            self._kernel(x.data_ptr(), m, self.in_features, self.weight.data_ptr(),
+            self._kernel(x2.data_ptr(), m, self.in_features, self.weight.data_ptr(),
                          self.out_features, None if self.bias is None else self.bias.data_ptr(),
                          y.data_ptr())
-        return y
+        return y.view(*x.shape[:-1], self.out_features)

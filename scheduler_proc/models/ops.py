@@ -33,7 +33,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     """transformers' LlamaRMSNorm: x / rms(x) in float32, cast back, then scaled in the
     model dtype. With a residual, normalizes h = x + residual and returns (y, h)."""
     lib = _kernel(x)
-    if lib is None:
+    if lib is None or weight.dtype != x.dtype or (residual is not None
+                                                   and residual.dtype != x.dtype):
         h = x if residual is None else x + residual
         hf = h.float()
         hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
@@ -57,11 +58,13 @@ def rope_(x: Tensor, cos_sin: Tensor, positions: Tensor) -> Tensor:
     """Rotate each (x[i], x[i + D/2]) pair of every head by its position's angle, in place:
     transformers' `x*cos + rotate_half(x)*sin` with the halves written out.
     x: [N, heads, D] (a view is fine if each row's heads are contiguous); cos_sin:
-    [max_positions, D] in x's dtype, cos in the first half; positions: [N] int64."""
+    [max_positions, D] in x's dtype, cos in the first half; positions: [N], each below
+    max_positions (the kernel does not check: the launcher caps the context length)."""
     n, heads, d = x.shape
     lib = _kernel(x)
     if (lib is None or x.stride(2) != 1 or x.stride(1) != d or d % 2
-            or (d // 2 > 16 and d // 2 % 16)):
+            or cos_sin.dtype != x.dtype or not cos_sin.is_contiguous()
+            or positions.dtype != torch.int64 or not positions.is_contiguous()):
         cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
         x1, x2 = x.chunk(2, dim=-1)
         x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
@@ -73,7 +76,7 @@ def rope_(x: Tensor, cos_sin: Tensor, positions: Tensor) -> Tensor:
 
 def silu_and_mul(gate_up: Tensor) -> Tensor:
     lib = _kernel(gate_up)
-    if lib is None:
+    if lib is None or gate_up.dim() != 2:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
     gu = gate_up.contiguous()
