@@ -59,8 +59,10 @@ class StepAttention:
     """Metadata for one step, built once, used by every layer."""
 
     def __init__(self, cache: KVCache, table: torch.Tensor, out_slots: torch.Tensor,
-                 decode: DecodeRows | None, prefills: list[PrefillSegment]):
+                 decode: DecodeRows | None, prefills: list[PrefillSegment],
+                 kernel: bool = False):
         self.cache = cache
+        self.kernel = kernel                # our C kernels (decode rows, K/V writes)
         self.table = table                  # the request-to-token table
         self.out_slots = out_slots          # [N] slot to write each token's K/V to
         self.decode = decode
@@ -96,14 +98,16 @@ class StepAttention:
                 m = torch.arange(total, device=device)[None, :] <= q_pos
             segs.append(PrefillSegment(offset, start, length, kv_index, m))
             offset += length
-        return cls(cache, table, out, decode, segs)
+        return cls(cache, table, out, decode, segs, decode_kernel)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:
-        self.cache.write(layer, self.out_slots, k, v)
-        out = torch.empty_like(q)
+        self._write(layer, k, v)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         b = self.num_decode
-        if b:
+        if b and self.kernel:
+            self._decode_kernel(layer, q[:b], out)
+        elif b:
             out[:b] = self._decode(layer, q[:b])
         # Prefill: 4-D [1, H, L, D] inputs, the layout transformers uses (on CPU the 3-D
         # path rounds differently in bf16).
@@ -123,10 +127,24 @@ class StepAttention:
             out[rows] = o[0].transpose(0, 1)
         return out
 
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This step's K/V into their slots; k, v: [N, Hkv, D] views (rows may be strided)."""
+        kv = self.cache.kv[layer]
+        n, hkv, d = k.shape
+        if (not self.kernel or k.stride(0) != v.stride(0) or k.stride(1) != d
+                or v.stride(1) != d or k.stride(2) != 1 or v.stride(2) != 1):
+            self.cache.write(layer, self.out_slots, k, v)
+            return
+        kernels.library().zs_kv_write(int(kv.dtype == torch.bfloat16), kv.data_ptr(),
+                                      self.out_slots.data_ptr(), n, k.data_ptr(),
+                                      v.data_ptr(), k.stride(0), hkv * d)
+
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """One query per row against its own positions: [B, H, D] -> [B, H, D]."""
-        if self.decode.index is None:
-            return self._decode_kernel(layer, q)
+        if self.kernel:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            self._decode_kernel(layer, q, out)
+            return out
         # SDPA. Half precision is attended in float32: the CPU kernel is faster there.
         dtype = q.dtype
         upcast = dtype != torch.float32 and q.device.type == "cpu"
@@ -139,13 +157,14 @@ class StepAttention:
                                            attn_mask=self.decode.mask, enable_gqa=True)
         return o.squeeze(2).to(dtype)
 
-    def _decode_kernel(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        q = q.contiguous()
-        out = torch.empty_like(q)
+    def _decode_kernel(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
+        """q: [B, H, D] with each row's heads contiguous (rows may be strided) -> out, the
+        first B rows of a contiguous [N, H, D]."""
         b, h, d = q.shape
+        if q.stride(2) != 1 or q.stride(1) != d:
+            q = q.contiguous()
         kv = self.cache.kv[layer]
         kernels.library().zs_decode_attention(
-            int(q.dtype == torch.bfloat16), q.data_ptr(), kv.data_ptr(), self.table.data_ptr(),
-            self.table.shape[1], self.decode.rows.data_ptr(), self.decode.lens.data_ptr(),
-            b, h, kv.shape[2], d, d ** -0.5, out.data_ptr())
-        return out
+            int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0), kv.data_ptr(),
+            self.table.data_ptr(), self.table.shape[1], self.decode.rows.data_ptr(),
+            self.decode.lens.data_ptr(), b, h, kv.shape[2], d, d ** -0.5, out.data_ptr())

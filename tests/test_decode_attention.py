@@ -67,3 +67,32 @@ def test_a_nan_key_poisons_its_row_only(dtype):
                               decode_kernel=True)._decode(0, q)
     assert out[0, 2:].isnan().all() and not out[0, :2].isnan().any()
     assert not out[1].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_writes_kv_and_attends_like_sdpa(dtype):
+    """A whole step through StepAttention (K/V written from strided views of a qkv output,
+    then decode rows attended) gives the same pool and output on our kernels as on torch."""
+    heads, kv_heads, d, rows = 4, 2, 64, 9
+    if not decode_kernel_fits(torch.device("cpu"), dtype, heads, kv_heads, d):
+        pytest.skip("no decode kernel for this CPU / compiler")
+    torch.manual_seed(0)
+    table = torch.arange(1, rows * 30 + 1).view(rows, 30)
+    lens = [1 + 3 * i for i in range(rows)]
+    out_slots = [int(table[i, n - 1]) for i, n in enumerate(lens)]
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, dtype=dtype)
+    q = qkv[:, :heads * d].view(rows, heads, d)
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(rows, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d:].view(rows, kv_heads, d)
+    results = []
+    for kernel in (True, False):
+        cache = KVCache(1, rows * 30, kv_heads, d, dtype, "cpu")
+        torch.manual_seed(1)
+        cache.kv[0].normal_()
+        attn = StepAttention.build(cache, table, out_slots, list(range(rows)), lens, [],
+                                   "cpu", decode_kernel=kernel)
+        results.append((attn(0, q, k, v), cache.kv[0]))
+    (o_kernel, kv_kernel), (o_torch, kv_torch) = results
+    assert torch.equal(kv_kernel, kv_torch)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(o_kernel, o_torch, atol=tol, rtol=tol)

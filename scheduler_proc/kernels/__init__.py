@@ -46,8 +46,11 @@ SIGNATURES = {
     # (x, M, K, panels, N, bias or NULL, y)
     "zs_linear_f32": [_p, _i64, _i64, _p, _i64, _p, _p],
     "zs_linear_bf16": [_p, _i64, _i64, _p, _i64, _p, _p],
-    # (bf16, q, kv, table, ctx, rows, lens, B, H, Hkv, D, scale, out)
-    "zs_decode_attention": [_int, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _float, _p],
+    # (bf16, q, q row stride, kv, table, ctx, rows, lens, B, H, Hkv, D, scale, out)
+    "zs_decode_attention": [_int, _p, _i64, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64,
+                            _float, _p],
+    # (bf16, kv, slots, N, k, v, k/v row stride, Hkv * D)
+    "zs_kv_write": [_int, _p, _p, _i64, _p, _p, _i64, _i64],
     # (bf16, x, residual or NULL, h out or NULL, weight, eps, M, D, y)
     "zs_add_rms_norm": [_int, _p, _p, _p, _p, _float, _i64, _i64, _p],
     # (bf16, x, M, row stride, heads, D, cos_sin, positions)

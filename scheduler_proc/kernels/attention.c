@@ -1,7 +1,8 @@
 /* zserve CPU decode attention: one query token per row against its own cached positions,
  * read in place from the paged KV pool (no gather, no mask), AVX-512.
  *
- *   q    [B, H, D]               this step's queries (RoPE applied), contiguous
+ *   q    [B, H, D]               this step's queries (RoPE applied); rows q_stride
+ *                                 elements apart, each row's heads contiguous
  *   kv   [slots, 2, Hkv, D]      one layer's pool: K then V of each slot
  *   table[rows, ctx] int64       request-to-slot table; row[b] is row b's request
  *   lens [B] int64               positions to attend (this token's included), >= 1
@@ -20,6 +21,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "simd.h"
 
@@ -142,7 +144,8 @@ INLINE TARGET void decode_task(const int bf16, const int nd, const void *q, cons
     }
 
 /* bf16: q, kv and out are bfloat16 (else float32); D is one of KERNEL_HEAD_DIMS. */
-TARGET void zs_decode_attention(int bf16, const void *q, const void *kv, const int64_t *table,
+TARGET void zs_decode_attention(int bf16, const void *q, int64_t q_stride, const void *kv,
+                                const int64_t *table,
                                 int64_t ctx, const int64_t *rows, const int64_t *lens,
                                 int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale,
                                 void *out) {
@@ -157,12 +160,26 @@ TARGET void zs_decode_attention(int bf16, const void *q, const void *kv, const i
     for (int64_t task = 0; task < B * tasks_per_row; task++) {
         const int64_t b = task / tasks_per_row;
         const int64_t g0 = task % tasks_per_row * per_task, g1 = g0 + per_task;
-        const char *qb = (const char *)q + b * H * D * esz;
+        const char *qb = (const char *)q + b * q_stride * esz;
         char *ob = (char *)out + b * H * D * esz;
         if (bf16) {
             TASKS(1)
         } else {
             TASKS(0)
         }
+    }
+}
+
+/* Write this step's K and V into the pool: kv[slots[i], 0] = k[i], kv[slots[i], 1] = v[i].
+ * k and v rows are `stride` elements apart (views into the qkv projection), each row's
+ * Hkv * D elements contiguous. One call where torch needs two index_copy_ on views. */
+void zs_kv_write(int bf16, void *kv, const int64_t *slots, int64_t N, const void *k,
+                 const void *v, int64_t stride, int64_t HkvD) {
+    const int64_t esz = bf16 ? 2 : 4, row = HkvD * esz;
+#pragma omp parallel for schedule(static) if (N >= 256)
+    for (int64_t i = 0; i < N; i++) {
+        char *dst = (char *)kv + slots[i] * 2 * row;
+        memcpy(dst, (const char *)k + i * stride * esz, row);
+        memcpy(dst + row, (const char *)v + i * stride * esz, row);
     }
 }
