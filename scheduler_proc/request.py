@@ -18,7 +18,7 @@ class Req:
     __slots__ = ("rid", "input_ids", "sampling", "stream", "output_ids", "slots", "row",
                  "prefix_node", "prefix_len", "cached_tokens", "arrived_at", "queue_time",
                  "finish", "announced", "generator", "logprob", "input_logprobs",
-                 "pending_logprobs")
+                 "pending_logprobs", "held_ids")
 
     def __init__(self, msg: TokenizedRequest, device: torch.device | str = "cpu"):
         self.rid = msg.rid
@@ -35,6 +35,7 @@ class Req:
         self.queue_time: float | None = None
         self.finish: FinishReason | None = None
         self.announced = False               # has the detokenizer seen DecodeParams yet
+        self.held_ids: list[int] = []        # sampled, not sent yet (see Scheduler.emit)
         seed = msg.sampling.sampling_seed
         # On the model's device: torch.multinomial needs a generator where the probs are.
         self.generator = None if seed is None else seeded_generator(seed % 2**64, device)
@@ -71,6 +72,12 @@ class Req:
         if self.wants_input_logprobs and not self.announced:
             limit = min(limit, max(self.logprob.start_len - 1, 0))
         return limit
+
+    @property
+    def output_can_wait(self) -> bool:
+        """Nobody watches this request's tokens before it ends: not streamed, no logprobs,
+        no stop strings (the detokenizer matches those and must see each token)."""
+        return not self.stream and self.logprob is None and not self.sampling.stop
 
     @property
     def seq_len(self) -> int:

@@ -163,6 +163,20 @@ def test_batch_latencies_are_per_item(server):
     assert short["first_token_latency"] <= short["e2e_latency"]
 
 
+def test_long_unary_output_is_whole_and_its_first_token_on_time(server):
+    """A non-streamed request's tokens are sent on in bunches (the scheduler holds them
+    for up to 50 steps); the result must still be every token, equal to the stream's, and
+    its first token must still be timed when it was made, not when its bunch left."""
+    body = {"max_new_tokens": 130, "ignore_eos": True, "temperature": 0}
+    unary = server.generate_ok(text=PROMPTS[1], sampling_params=body)
+    frames = server.stream(text=PROMPTS[1], sampling_params=body)
+    assert unary["output_ids"] == frames[-1]["output_ids"] and len(unary["output_ids"]) == 130
+    assert unary["text"] == frames[-1]["text"]
+    meta = unary["meta_info"]
+    assert meta["completion_tokens"] == 130
+    assert meta["first_token_latency"] < 0.25 * meta["e2e_latency"], meta
+
+
 def test_stop_string_trims_and_frees_the_request(server, model_dir):
     unary = server.generate_ok(text=PROMPTS[0], sampling_params=GREEDY)
     text = unary["text"]
