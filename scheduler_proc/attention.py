@@ -105,10 +105,8 @@ class StepAttention:
         self._write(layer, k, v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         b = self.num_decode
-        if b and self.kernel:
-            self._decode_kernel(layer, q[:b], out)
-        elif b:
-            out[:b] = self._decode(layer, q[:b])
+        if b:
+            self._decode(layer, q[:b], out[:b])
         # Prefill: 4-D [1, H, L, D] inputs, the layout transformers uses (on CPU the 3-D
         # path rounds differently in bf16).
         for s in self.prefills:
@@ -139,10 +137,13 @@ class StepAttention:
                                       self.out_slots.data_ptr(), n, k.data_ptr(),
                                       v.data_ptr(), k.stride(0), hkv * d)
 
-    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """One query per row against its own positions: [B, H, D] -> [B, H, D]."""
-        if self.kernel:
+    def _decode(self, layer: int, q: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """One query per row against its own positions: [B, H, D] -> [B, H, D], written
+        into `out` (contiguous, e.g. the step output's first rows) when given."""
+        if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if self.kernel:
             self._decode_kernel(layer, q, out)
             return out
         # SDPA. Half precision is attended in float32: the CPU kernel is faster there.
@@ -155,11 +156,11 @@ class StepAttention:
         o = F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2),
                                            values.transpose(1, 2),
                                            attn_mask=self.decode.mask, enable_gqa=True)
-        return o.squeeze(2).to(dtype)
+        return out.copy_(o.squeeze(2))
 
     def _decode_kernel(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
-        """q: [B, H, D] with each row's heads contiguous (rows may be strided) -> out, the
-        first B rows of a contiguous [N, H, D]."""
+        """q: [B, H, D] with each row's heads contiguous (rows may be strided) -> out, a
+        contiguous [B, H, D]."""
         b, h, d = q.shape
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()

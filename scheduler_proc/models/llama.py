@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
-from .ops import rms_norm, rope_, silu_and_mul
+from .ops import Rotary, rms_norm, rope_, silu_and_mul
 
 
 class AttentionBackend(Protocol):
@@ -91,18 +91,17 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos_sin: Tensor, positions: Tensor,
-                attn: AttentionBackend) -> Tensor:
+    def forward(self, x: Tensor, rotary: Rotary, attn: AttentionBackend) -> Tensor:
         qkv = self.qkv_proj(x)
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         v = qkv[:, self.q_size + self.kv_size:].view(-1, kv_heads, d)
         if self.qk_norm:
-            q = rope_(self.q_norm(qkv[:, :self.q_size].view(-1, heads, d)), cos_sin, positions)
+            q = rope_(self.q_norm(qkv[:, :self.q_size].view(-1, heads, d)), rotary)
             k = rope_(self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size]
-                                  .view(-1, kv_heads, d)), cos_sin, positions)
+                                  .view(-1, kv_heads, d)), rotary)
         else:                   # q and k heads sit side by side: rotate them in one pass
             qk = rope_(qkv[:, :self.q_size + self.kv_size].view(-1, heads + kv_heads, d),
-                       cos_sin, positions)
+                       rotary)
             q, k = qk[:, :heads], qk[:, heads:]
         o = attn(self.layer_id, q, k, v)
         return self.o_proj(o.reshape(-1, self.q_size))
@@ -128,7 +127,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, residual: Tensor | None, cos_sin: Tensor, positions: Tensor,
+    def forward(self, x: Tensor, residual: Tensor | None, rotary: Rotary,
                 attn: AttentionBackend) -> tuple[Tensor, Tensor]:
         """x: the previous layer's output, residual: the stream before it (None for the
         first layer) -> this layer's (output, residual stream before it)."""
@@ -136,7 +135,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos_sin, positions, attn)
+        h = self.self_attn(h, rotary, attn)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -161,8 +160,9 @@ class CausalLM(nn.Module):
         """input_ids, positions: [N] -> [N, hidden], the residual stream after the last layer
         (compute_logits applies the final norm, only to the rows that need logits)."""
         x, residual = self.embed_tokens(input_ids), None
+        rotary = Rotary(self.cos_sin, positions)
         for layer in self.layers:
-            x, residual = layer(x, residual, self.cos_sin, positions, attn)
+            x, residual = layer(x, residual, rotary, attn)
         return x + residual
 
     @torch.inference_mode()

@@ -4,7 +4,7 @@ the torch code below does, so the two agree to float32 summation order.
 
     rms_norm(x, w, eps)               -> y
     rms_norm(x, w, eps, residual)     -> (y, h)  with h = x + residual, y = rms_norm(h)
-    rope_(x, cos_sin, positions)      rotates x [N, heads, D] in place (heads contiguous)
+    rope_(x, Rotary(cos_sin, positions))  rotates x [N, heads, D] in place (heads contiguous)
     silu_and_mul(gate_up)             -> silu(gate) * up, gate_up = [gate | up] on the last dim
 """
 
@@ -56,18 +56,36 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     return y if residual is None else (y, h)
 
 
-def rope_(x: Tensor, cos_sin: Tensor, positions: Tensor) -> Tensor:
+class Rotary:
+    """One step's RoPE inputs, built once per forward: the [max_positions, D] table (cos in
+    the first half, sin in the second, in the model dtype) and the [N] positions, each below
+    max_positions (the kernel does not check: the launcher caps the context length). The
+    torch path gathers the step's rows once, for every layer."""
+
+    __slots__ = ("cos_sin", "positions", "_rows")
+
+    def __init__(self, cos_sin: Tensor, positions: Tensor):
+        self.cos_sin, self.positions = cos_sin, positions
+        self._rows: tuple[Tensor, Tensor] | None = None
+
+    def rows(self) -> tuple[Tensor, Tensor]:
+        """cos, sin: [N, 1, D/2] each, broadcast over heads."""
+        if self._rows is None:
+            self._rows = self.cos_sin[self.positions].unsqueeze(1).chunk(2, dim=-1)
+        return self._rows
+
+
+def rope_(x: Tensor, rotary: Rotary) -> Tensor:
     """Rotate each (x[i], x[i + D/2]) pair of every head by its position's angle, in place:
     transformers' `x*cos + rotate_half(x)*sin` with the halves written out.
-    x: [N, heads, D] (a view is fine if each row's heads are contiguous); cos_sin:
-    [max_positions, D] in x's dtype, cos in the first half; positions: [N], each below
-    max_positions (the kernel does not check: the launcher caps the context length)."""
+    x: [N, heads, D] (a view is fine if each row's heads are contiguous)."""
     n, heads, d = x.shape
+    cos_sin, positions = rotary.cos_sin, rotary.positions
     lib = _kernel(x)
     if (lib is None or x.stride(2) != 1 or x.stride(1) != d or d % 2
             or cos_sin.dtype != x.dtype or not cos_sin.is_contiguous()
             or positions.dtype != torch.int64 or not positions.is_contiguous()):
-        cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        cos, sin = rotary.rows()
         x1, x2 = x.chunk(2, dim=-1)
         x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
         return x
