@@ -122,6 +122,8 @@ class TokenizedRequest:
     sampling: SamplingParams
     stream: bool = False
     logprob: LogprobRequest | None = None
+    fit_context: bool = False   # max_new_tokens was a default: the scheduler may lower it to
+                                # what the KV pool can hold (chat without max_tokens)
 
 
 # ---- detokenizer -> scheduler --------------------------------------------------------------

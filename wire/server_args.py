@@ -42,6 +42,31 @@ class ServerArgs:
     incremental_streaming_output: bool = _opt(False, "Stream only new text and ids in each "
                                               "frame instead of the cumulative output.")
     random_seed: int = _opt(0, "Seed for sampling of requests without sampling_seed.")
+    # ---- limits and protection (README: "Hardening") ----
+    api_key: str | None = _opt(None, "If set, every route but /health needs "
+                               "'Authorization: Bearer KEY'.")
+    admin_api_key: str | None = _opt(None, "Key for the routes that act on other clients' "
+                                     "work (/abort_request with abort_all or a prefix, "
+                                     "/flush_cache). With any key set they need this one.")
+    allowed_origins: str | None = _opt(None, "Comma-separated browser origins allowed to call "
+                                       "the server (CORS), or '*'. Default: none; requests "
+                                       "from another origin are refused.")
+    max_request_bytes: int = _opt(8 * 1024 * 1024, "Largest request body accepted; larger "
+                                  "ones get 413 before they are parsed.")
+    read_timeout: float = _opt(30.0, "Seconds a client may take to send a request's headers, "
+                               "and then its body.")
+    send_timeout: float = _opt(60.0, "Seconds a stream may wait on a client that does not "
+                               "read before the request is aborted.")
+    max_queued_requests: int | None = _opt(None, "Most requests waiting to run; more are "
+                                           "answered 503 at once (default: no limit).")
+    request_timeout: float | None = _opt(None, "Seconds a request may take, waiting plus "
+                                         "running, before it is aborted with 503 (default: "
+                                         "no limit).")
+    watchdog_timeout: float = _opt(300.0, "Seconds the scheduler may go without finishing a "
+                                   "step while it has work before the server is taken down "
+                                   "(with a stack dump in the log).")
+    shutdown_timeout: float = _opt(30.0, "On SIGTERM/SIGINT, seconds in-flight requests may "
+                                   "take to finish before they are aborted.")
     log_level: str = _opt("info", "Log level.",
                           choices=["debug", "info", "warning", "error", "critical"])
 
@@ -63,9 +88,15 @@ class ServerArgs:
         return args
 
     def check(self) -> None:
-        for name in ("port", "max_running_requests", "chunked_prefill_size"):
+        for name in ("port", "max_running_requests", "chunked_prefill_size",
+                     "max_request_bytes", "read_timeout", "send_timeout", "watchdog_timeout"):
             if getattr(self, name) <= 0:
                 raise SystemExit(f"--{name.replace('_', '-')} must be positive")
+        for name in ("max_queued_requests", "request_timeout"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise SystemExit(f"--{name.replace('_', '-')} must be positive")
+        if self.shutdown_timeout < 0:
+            raise SystemExit("--shutdown-timeout must not be negative")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:
             raise SystemExit("--max-total-tokens must be positive")
         if not 0 < self.mem_fraction_static <= 1:

@@ -1,7 +1,8 @@
 """PackedLinear: linear layers whose weights oneDNN re-lays-out once, at load time, for CPU.
 
 The fallback where our own kernel (cpu_linear.py) cannot run: no AVX-512 (AVX512_BF16 for
-bfloat16), no C compiler, or ZSERVE_CPU_KERNELS=0.
+bfloat16), no C compiler, or ZSERVE_CPU_KERNELS=0. Where oneDNN cannot pack a dtype either
+(bfloat16 without AVX-512), the model keeps torch's plain nn.Linear.
 
 On this class of CPU the packed GEMM is about 2x faster than F.linear (MKL) in float32 at
 the shapes of a decode step (M = 32 rows, K = 576: 67 -> 34 ms for a 135M model's MLPs),
@@ -13,6 +14,8 @@ its own packed copy of the embedding).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -23,7 +26,19 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return (device.type == "cpu" and dtype in PACKABLE_DTYPES
             and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and _packs(dtype))
+
+
+@functools.cache
+def _packs(dtype: torch.dtype) -> bool:
+    """oneDNN packs bfloat16 only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT and
+    says so by raising: probe once with a small weight instead of guessing from flags."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype),
+                                                PACK_BATCH_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):
