@@ -6,8 +6,9 @@ The launcher is the API process. It spawns the tokenizer, scheduler and detokeni
 (multiprocessing "spawn"), waits for each to report ready, then serves HTTP with uvicorn on
 uvloop. A supervisor thread blocks on the children's sentinels: if one dies, /health turns
 503, requests in flight fail with 503, and the launcher tears everything down and exits 1.
-SIGTERM/SIGINT: uvicorn stops accepting and drains in-flight requests, then the children are
-stopped, the ipc directory removed, and the exit code is 0.
+SIGTERM/SIGINT: uvicorn stops accepting and lets in-flight requests finish for up to
+--shutdown-timeout seconds, then ends the rest with a 503 (api_proc/server.py); then the
+children are stopped, the ipc directory removed, and the exit code is 0.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from wire.server_args import ServerArgs
 
 log = logging.getLogger("zserve")
 CHILD_STOP_TIMEOUT = 5.0
-GRACEFUL_SHUTDOWN_TIMEOUT = 5
+DEATH_SHUTDOWN_TIMEOUT = 5.0   # after a child died: seconds to answer clients, then hard exit
 
 
 def resolve_args(args: ServerArgs) -> ServerArgs:
@@ -101,14 +102,17 @@ class Children:
         return infos
 
     def supervise(self, on_death) -> None:
-        """Start a thread that calls on_death(name, exitcode) when a child dies unasked."""
+        """Start a thread that calls on_death(name, how) when a child dies unasked; `how`
+        says how it ended ("exit code 1", "killed by SIGKILL")."""
         def watch() -> None:
             sentinels = {p.sentinel: n for n, p in self.procs.items()}
             ready = wait(list(sentinels))
             if self.stopping:
                 return
             name = sentinels[ready[0]]
-            on_death(name, self.procs[name].exitcode)
+            proc = self.procs[name]
+            proc.join(1.0)              # the sentinel fired: reap it so exitcode is known
+            on_death(name, describe_exit(proc.exitcode))
         threading.Thread(target=watch, name="supervisor", daemon=True).start()
 
     def stop(self) -> None:
@@ -121,6 +125,17 @@ class Children:
             p.join(CHILD_STOP_TIMEOUT)
 
 
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "exit code unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 class Shutdown(Exception):
     """SIGTERM or SIGINT outside uvicorn's own handling (startup, or the signal uvicorn
     re-raises after its graceful shutdown)."""
@@ -131,36 +146,36 @@ def _on_signal(signum, _frame) -> None:
 
 
 def serve(args: ServerArgs) -> int:
-    import uvicorn
-
     from api_proc.app import build_app
-    from api_proc.state import Dispatcher
+    from api_proc.server import make_server
+    from api_proc.state import Admission, Dispatcher
 
     addrs = Addresses.create()
     children = None
     try:
-        dispatcher = Dispatcher(addrs)
+        dispatcher = Dispatcher(addrs, Admission(args.max_queued_requests,
+                                                 args.request_timeout))
         children = Children(args, addrs)
         infos = children.wait_ready()
         pool = infos["scheduler"]["max_total_tokens"]
         dispatcher.load = SchedulerLoad(kv_total=pool, kv_free=pool)
         app = build_app(args, dispatcher, infos.get("scheduler", {}))
-        config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop",
-                                log_level=args.log_level, access_log=False,
-                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT)
-        server = uvicorn.Server(config)
+        server = make_server(app, args.host, args.port, args.log_level, args.read_timeout,
+                             args.shutdown_timeout,
+                             lambda: dispatcher.end_all("The server is shutting down."))
         exit_code = 0
 
-        def on_death(name: str, code: int | None) -> None:
+        def on_death(name: str, how: str) -> None:
             nonlocal exit_code
             exit_code = 1
-            message = f"The {name} process died (exit code {code}); shutting down."
+            message = f"The {name} process died ({how}); shutting down."
             log.error(message)
             dispatcher.lose_threadsafe(message)
+            server.shutdown_timeout = 0.0
             server.should_exit = True
             # If uvicorn cannot wind down (a stuck handler), do not hang: hard exit.
-            threading.Timer(GRACEFUL_SHUTDOWN_TIMEOUT + CHILD_STOP_TIMEOUT + 5,
-                            _hard_exit, args=(children, addrs)).start()
+            threading.Timer(DEATH_SHUTDOWN_TIMEOUT + CHILD_STOP_TIMEOUT, _hard_exit,
+                            args=(children, addrs)).start()
 
         children.supervise(on_death)
         log.info("serving on http://%s:%d", args.host, args.port)

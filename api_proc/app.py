@@ -1,6 +1,9 @@
-"""The Starlette app: routes, lifespan (the dispatcher task), and health.
+"""The Starlette app: routes, lifespan (the dispatcher task), health, and the guard around
+them all (api_proc/guard.py: keys, admin routes, origins).
 
-/health answers 503 from the moment the launcher reports a lost child.
+/health answers 503 from the moment the launcher reports a lost child; /health_generate
+runs a one-token generation through the whole pipeline (SGLang's route). Every error,
+unknown routes and wrong methods included, is JSON.
 """
 
 from __future__ import annotations
@@ -9,19 +12,28 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import uuid
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
-from api_proc.native import BadRequest, GenerateHandler, error_response, read_json
+from api_proc.boundary import BadRequest, BodyLimits, JSONResponse, error_response, read_json
+from api_proc.guard import Guard, parse_origins
+from api_proc.native import GenerateHandler
 from api_proc.openai_api import OpenAIHandler
 from api_proc.state import Dispatcher
+from wire.messages import GenerateRequest
+from wire.sampling import SamplingParams
 from wire.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
+HEALTH_GENERATE_TIMEOUT = 20.0      # seconds for /health_generate's one-token generation
 
 
 def build_app(args: ServerArgs, dispatcher: Dispatcher, scheduler_info: dict) -> Starlette:
@@ -48,6 +60,8 @@ def build_app(args: ServerArgs, dispatcher: Dispatcher, scheduler_info: dict) ->
             "retracted_total": load.retracted_total})
 
     async def abort_request(request: Request) -> Response:
+        """By rid prefix, as SGLang; without admin rights (keys set, not the admin key) only
+        the request with exactly this rid (a client's own)."""
         try:
             body = await read_json(request)
             if not isinstance(body, dict):
@@ -57,12 +71,22 @@ def build_app(args: ServerArgs, dispatcher: Dispatcher, scheduler_info: dict) ->
                 raise BadRequest("rid must be a string and abort_all a boolean.")
             if not rid and not abort_all:
                 raise BadRequest("Give a rid (prefix) or abort_all.")
+            if abort_all and not request.state.admin:
+                raise BadRequest("abort_all needs the admin API key.", 403)
         except BadRequest as e:
             return error_response(str(e), e.status)
-        n = dispatcher.abort_prefix("" if abort_all else rid)
+        if request.state.admin:
+            n = dispatcher.abort_prefix("" if abort_all else rid)
+        else:
+            n = int(rid in dispatcher.rids)
+            dispatcher.abort(rid)
         return JSONResponse({"aborted": n})
 
-    async def flush_cache(_: Request) -> Response:
+    async def flush_cache(request: Request) -> Response:
+        try:
+            await read_json(request, allow_empty=True)     # any JSON (SGLang takes none)
+        except BadRequest as e:
+            return error_response(str(e), e.status)
         if dispatcher.lost:
             return error_response(f"Server unhealthy: {dispatcher.lost}", 503)
         try:
@@ -70,6 +94,30 @@ def build_app(args: ServerArgs, dispatcher: Dispatcher, scheduler_info: dict) ->
         except asyncio.TimeoutError:
             return error_response("The scheduler did not answer in time.", 503)
         return JSONResponse({"message": reply.message}, status_code=200 if reply.ok else 400)
+
+    async def health_generate(_: Request) -> Response:
+        """One greedy token for token id 0 through tokenizer, scheduler and detokenizer."""
+        if dispatcher.lost:
+            return error_response(f"Server unhealthy: {dispatcher.lost}", 503)
+        probe = GenerateRequest(rid=f"health-{uuid.uuid4().hex}", text=None, input_ids=[0],
+                                sampling=SamplingParams(max_new_tokens=1, temperature=0.0))
+        try:
+            (state,) = dispatcher.submit([probe])
+        except Exception as e:      # e.g. the queue is full
+            return error_response(f"Server unhealthy: {e}", 503)
+        try:
+            out = await asyncio.wait_for(state.wait_finished(), HEALTH_GENERATE_TIMEOUT)
+        except asyncio.TimeoutError:
+            dispatcher.abort_unfinished([state])
+            return error_response(f"No token within {HEALTH_GENERATE_TIMEOUT:g} s.", 503)
+        if out.finish is not None and out.finish.status_code is not None:
+            return error_response(f"Server unhealthy: {out.finish.message}", 503)
+        return Response(status_code=200)
+
+    async def http_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return JSONResponse({"error": {"message": exc.detail}}, status_code=exc.status_code,
+                            headers=exc.headers)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -81,15 +129,26 @@ def build_app(args: ServerArgs, dispatcher: Dispatcher, scheduler_info: dict) ->
 
     routes = [
         Route("/generate", GenerateHandler(dispatcher, args.incremental_streaming_output,
-                                           not args.disable_radix_cache).handle,
+                                           not args.disable_radix_cache,
+                                           args.send_timeout).handle,
               methods=["POST"]),
         Route("/health", health, methods=["GET"]),
+        Route("/health_generate", health_generate, methods=["GET"]),
         Route("/model_info", model_info, methods=["GET"]),
         Route("/get_model_info", model_info, methods=["GET"]),
         Route("/server_info", server_info, methods=["GET"]),
         Route("/get_server_info", server_info, methods=["GET"]),
         Route("/abort_request", abort_request, methods=["POST"]),
-        Route("/flush_cache", flush_cache, methods=["POST", "GET"]),
+        Route("/flush_cache", flush_cache, methods=["POST"]),
         *OpenAIHandler(args, dispatcher).routes(),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    origins = parse_origins(args.allowed_origins)
+    middleware = [Middleware(Guard, api_key=args.api_key, admin_api_key=args.admin_api_key,
+                             allowed_origins=origins)]
+    if origins:
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=origins,
+                                        allow_methods=["GET", "POST"], allow_headers=["*"]))
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
+                    exception_handlers={HTTPException: http_error})
+    app.state.body_limits = BodyLimits(args.max_request_bytes, args.read_timeout)
+    return app

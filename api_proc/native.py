@@ -7,15 +7,16 @@ list of GenerateRequests in output order (prompt-major when n > 1).
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response
 
+from api_proc.boundary import BadRequest, JSONResponse, error_response, read_json
 from api_proc.state import Dispatcher, RequestState, SubmitError
+from api_proc.streaming import DONE, SSEResponse, changes, sse
 from wire.messages import MAX_TOP_LOGPROBS, GenerateRequest, LogprobRequest
 from wire.sampling import SamplingParams
 
@@ -24,20 +25,8 @@ LOGPROB_KEYS = ("return_logprob", "top_logprobs_num", "logprob_start_len",
 KNOWN_KEYS = {"text", "input_ids", "sampling_params", "rid", "stream", *LOGPROB_KEYS}
 
 
-class BadRequest(ValueError):
-    """Client error with the message to show. status: the HTTP status to answer."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
-
-
 def _raise(message: str, status: int) -> None:
     raise BadRequest(message, status)
-
-
-def error_response(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse({"error": {"message": message}}, status_code=status)
 
 
 @dataclass(slots=True)
@@ -152,14 +141,6 @@ def _logprob(body: dict) -> tuple[LogprobRequest | None, bool]:
     return (LogprobRequest(top_logprobs_num=top, start_len=start) if want else None), text
 
 
-async def read_json(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"Malformed JSON body: {e}") from None
-
-
 async def wait_disconnect(request: Request) -> None:
     """Returns when the client goes away (the body has been read already)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -198,19 +179,22 @@ async def settle(request: Request, dispatcher: Dispatcher, states: list[RequestS
 
 
 def item_json(state: RequestState, incremental: bool = False) -> dict:
-    out = state.last
-    assert out is not None
-    return {"text": out.text if incremental else state.text,
-            "output_ids": out.new_ids if incremental else list(state.output_ids),
-            "meta_info": state.meta_info(incremental)}
+    """The response object of one item: cumulative, or (incremental streaming) what was
+    taken since the previous frame."""
+    if not incremental:
+        return {"text": state.text, "output_ids": list(state.output_ids),
+                "meta_info": state.meta_info()}
+    text, ids, logprobs = state.unsent()
+    return {"text": text, "output_ids": ids, "meta_info": state.meta_info(logprobs)}
 
 
 class GenerateHandler:
     def __init__(self, dispatcher: Dispatcher, incremental_streaming: bool,
-                 share_prompts: bool = True):
+                 share_prompts: bool = True, send_timeout: float = 60.0):
         self.dispatcher = dispatcher
         self.incremental = incremental_streaming
         self.share_prompts = share_prompts      # the radix cache is on: warm up n > 1
+        self.send_timeout = send_timeout
 
     async def warm_up(self, request: Request, parsed: ParsedGenerate) -> float | None:
         """Prefill the prompts of n > 1 requests once. Returns when the warm-up started (the
@@ -259,32 +243,24 @@ class GenerateHandler:
         early = await settle(request, self.dispatcher, states, [s.next() for s in states])
         if early is not None:
             return early
-        return StreamingResponse(self._frames(states, is_batch),
-                                 media_type="text/event-stream")
+        return SSEResponse(self._frames(states, is_batch), self.send_timeout)
 
     async def _frames(self, states: list[RequestState], is_batch: bool) -> AsyncIterator[str]:
-        merged: asyncio.Queue[tuple[int, dict]] = asyncio.Queue()
-
-        async def pump(i: int, state: RequestState) -> None:
-            while True:
-                frame = item_json(state, self.incremental)
-                if is_batch:
-                    frame["index"] = i
-                merged.put_nowait((i, frame))
-                if state.finished:
-                    return
-                await state.next()
-
-        pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(states)]
+        """One frame per item that changed since the previous write. An item that fails
+        once the stream has started (timeout, shutdown, lost pipeline) ends the whole stream
+        with SGLang's error event; the other items are aborted."""
         try:
-            remaining = len(states)
-            while remaining:
-                _, frame = await merged.get()
-                if frame["meta_info"]["finish_reason"] is not None:
-                    remaining -= 1
-                yield f"data: {json.dumps(frame, ensure_ascii=False)}\n\n"
-            yield "data: [DONE]\n\n"
+            async for changed in changes(states):
+                failed = next((states[i] for i in changed if states[i].error), None)
+                if failed is not None:
+                    yield sse({"error": {"message": failed.error.message,
+                                         "status_code": failed.error.status_code}})
+                    break
+                for i in changed:
+                    frame = item_json(states[i], self.incremental)
+                    if is_batch:
+                        frame["index"] = i
+                    yield sse(frame)
+            yield DONE
         finally:
-            for p in pumps:
-                p.cancel()
             self.dispatcher.abort_unfinished(states)

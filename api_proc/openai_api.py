@@ -4,9 +4,8 @@ A body becomes one GenerateRequest per prompt per sample (n=1 each; choice index
 prompt * n + sample), built through `SamplingParams.from_json` so a bad value gets SGLang's
 message, as on /generate. Errors use OpenAI's nested shape with the right HTTP status.
 
-RequestState keeps only the newest output, so each choice is consumed through `_Choice`,
-which also accumulates what the OpenAI shapes need and RequestState drops (the logprobs of
-every output).
+Each choice is its request's RequestState (`_Choice` adds the index), which accumulates
+the text, ids and logprobs; streams send what arrived since their previous chunk.
 
 Choices made where OpenAI, vLLM and SGLang leave room (README lists them):
 - `model` may be omitted; any other name than the served one is a 404.
@@ -38,11 +37,13 @@ from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
-from api_proc.native import BadRequest, read_json, settle
+from api_proc.boundary import BadRequest, JSONResponse, read_json
+from api_proc.native import settle
 from api_proc.state import Dispatcher, RequestState, SubmitError
+from api_proc.streaming import DONE, SSEResponse, changes, sse
 from wire.messages import (MAX_TOP_LOGPROBS, ChatMessage, FinishReason, GenerateRequest,
                            LogprobRequest, Logprobs, TextOutput)
 from wire.sampling import SamplingParams
@@ -86,7 +87,7 @@ def error_json(message: str, status: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
+def error_response(message: str, status: int = 400, param: str | None = None) -> Response:
     return JSONResponse(error_json(message, status, param), status_code=status)
 
 
@@ -317,36 +318,22 @@ def parse_chat(body: Any, model_id: str, context_length: int) -> ParsedOpenAI:
 
 
 class _Choice:
-    """One choice: its request's state plus every output's logprobs (RequestState keeps only
-    the newest output). `fresh` holds the logprobs not yet sent in a stream."""
+    """One choice: its index and its request's state, which accumulates the text, ids and
+    logprobs of every output (and hands out what a stream has not sent: unsent())."""
 
-    __slots__ = ("index", "state", "logprobs", "input_logprobs", "fresh")
+    __slots__ = ("index", "state")
 
     def __init__(self, index: int, state: RequestState):
         self.index = index
         self.state = state
-        self.logprobs = Logprobs()
-        self.input_logprobs: Logprobs | None = None
-        self.fresh = Logprobs()
 
-    async def next(self) -> TextOutput:
-        out = await self.state.next()
-        if out.logprobs is not None:
-            self.logprobs.extend(out.logprobs)
-            self.fresh.extend(out.logprobs)
-        if out.input_logprobs is not None:
-            if self.input_logprobs is None:
-                self.input_logprobs = Logprobs()
-            self.input_logprobs.extend(out.input_logprobs)
-        return out
+    @property
+    def logprobs(self) -> Logprobs:
+        return self.state.output_logprobs
 
-    async def wait_finished(self) -> None:
-        while not self.state.finished:
-            await self.next()
-
-    def take_fresh(self) -> Logprobs:
-        fresh, self.fresh = self.fresh, Logprobs()
-        return fresh
+    @property
+    def input_logprobs(self) -> Logprobs | None:
+        return self.state.input_logprobs
 
 
 def _finish_reason(finish: FinishReason | None) -> str | None:
@@ -417,10 +404,6 @@ def chat_logprobs(lp: Logprobs) -> dict:
         e["top_logprobs"] = [entry(t, v) for t, v in _top_pairs(lp, i)]
         content.append(e)
     return {"content": content}
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 class _LocalTokenizer:
@@ -514,58 +497,39 @@ class OpenAIHandler:
 
     async def _unary(self, request: Request, reply: "_Reply") -> Response:
         early = await settle(request, self.dispatcher, [c.state for c in reply.choices],
-                             [c.wait_finished() for c in reply.choices], error_response)
+                             [c.state.wait_finished() for c in reply.choices], error_response)
         return early or JSONResponse(reply.unary())
 
     async def _stream(self, request: Request, reply: "_Reply") -> Response:
         # Wait for each choice's first output so a rejected prompt is a plain HTTP error.
         early = await settle(request, self.dispatcher, [c.state for c in reply.choices],
-                             [c.next() for c in reply.choices], error_response)
+                             [c.state.next() for c in reply.choices], error_response)
         if early is not None:
             return early
-        return StreamingResponse(self._events(reply), media_type="text/event-stream")
+        return SSEResponse(self._events(reply), self.args.send_timeout)
 
     async def _events(self, reply: "_Reply") -> AsyncIterator[str]:
-        merged: asyncio.Queue[list[dict] | FinishReason] = asyncio.Queue()
-
-        async def pump(choice: _Choice) -> None:
-            try:
-                first = True
-                while True:
-                    if choice.state.error is not None:
-                        merged.put_nowait(choice.state.error)
-                        return
-                    merged.put_nowait(reply.chunks(choice, choice.state.last, first))
-                    first = False
-                    if choice.state.finished:
-                        return
-                    await choice.next()
-            except Exception as e:       # a bug here must end the stream, not hang it
-                log.exception("OpenAI stream of %s failed", choice.state.rid)
-                merged.put_nowait(FinishReason("abort", message=f"Internal error: {e}",
-                                               status_code=500))
-
+        """Chunks for each choice that changed since the previous write; a choice that
+        fails once the stream has started ends it with an error event (the rest are
+        aborted)."""
         states = [c.state for c in reply.choices]
-        pumps = [asyncio.ensure_future(pump(c)) for c in reply.choices]
+        started: set[int] = set()
         try:
-            remaining = len(pumps)
-            while remaining:
-                item = await merged.get()
-                if isinstance(item, FinishReason):
-                    yield _sse(error_json(item.message or "The request failed.",
-                                          item.status_code or 500))
+            async for changed in changes(states):
+                failed = next((states[i].error for i in changed if states[i].error), None)
+                if failed is not None:
+                    yield sse(error_json(failed.message or "The request failed.",
+                                         failed.status_code or 500))
                     break
-                for chunk in item:
-                    if chunk["choices"][0]["finish_reason"] is not None:
-                        remaining -= 1
-                    yield _sse(chunk)
+                for i in changed:
+                    for chunk in reply.chunks(reply.choices[i], i not in started):
+                        yield sse(chunk)
+                    started.add(i)
             else:
                 if reply.parsed.include_usage:
-                    yield _sse(reply.envelope([], usage=reply.usage()))
-            yield "data: [DONE]\n\n"
+                    yield sse(reply.envelope([], usage=reply.usage()))
+            yield DONE
         finally:
-            for p in pumps:
-                p.cancel()
             self.dispatcher.abort_unfinished(states)
 
 
@@ -629,13 +593,15 @@ class _Reply:
             items.append(item)
         return self.envelope(items, usage=self.usage())
 
-    def chunks(self, c: _Choice, out: TextOutput, first: bool) -> list[dict]:
-        """The stream chunks for one output of a choice (possibly none)."""
-        lp = c.take_fresh()
+    def chunks(self, c: _Choice, first: bool) -> list[dict]:
+        """The stream chunks for what a choice received since its previous chunks (possibly
+        none)."""
+        new_text, _, lp = c.state.unsent()
+        out = c.state.last
         finish = _finish_reason(out.finish)
         if self.chat:
-            return self._chat_chunks(c, out, first, lp, finish)
-        text = (self.echo[c.index] if first and self.echo else "") + out.text
+            return self._chat_chunks(c, out, new_text, first, lp, finish)
+        text = (self.echo[c.index] if first and self.echo else "") + new_text
         if not text and finish is None and not lp.token_ids:
             return []
         item = {"index": c.index, "text": text,
@@ -643,8 +609,8 @@ class _Reply:
                 "finish_reason": finish, "matched_stop": _matched_stop(out.finish)}
         return [self.envelope([item])]
 
-    def _chat_chunks(self, c: _Choice, out: TextOutput, first: bool, lp: Logprobs,
-                     finish: str | None) -> list[dict]:
+    def _chat_chunks(self, c: _Choice, out: TextOutput, text: str, first: bool,
+                     lp: Logprobs, finish: str | None) -> list[dict]:
         def chunk(delta: dict, logprobs: dict | None = None, finish_reason=None,
                   matched=None) -> dict:
             return self.envelope([{"index": c.index, "delta": delta, "logprobs": logprobs,
@@ -652,9 +618,9 @@ class _Reply:
         chunks = []
         if first:
             chunks.append(chunk({"role": "assistant", "content": ""}))
-        if out.text or lp.token_ids:
+        if text or lp.token_ids:
             logprobs = None if self.parsed.logprobs is None else chat_logprobs(lp)
-            chunks.append(chunk({"content": out.text}, logprobs))
+            chunks.append(chunk({"content": text}, logprobs))
         if finish is not None:
             chunks.append(chunk({}, None, finish, _matched_stop(out.finish)))
         return chunks

@@ -1,16 +1,26 @@
 """Per-request state in the API process and the dispatcher that feeds it.
 
-Invariant: `Dispatcher.states` holds a rid from submit until its terminal output arrives
-(or the pipeline is lost); a rid is never in flight twice. Outputs are stamped and queued
-by the dispatcher task as they arrive; route handlers consume the queues at their own pace.
+Identity: a client names a request with its rid (`RequestState.user_rid`, what meta_info and
+/abort_request use); on the wire every submission gets an internal id of its own
+(`RequestState.rid`, unique for the life of this process), so a rid reused by a client can
+never end or receive the outputs of an earlier request that is still being wound down.
+
+Invariants: `Dispatcher.states` holds an internal id from submit until its terminal output
+arrives (or the request is ended here: timeout, shutdown, lost pipeline); `Dispatcher.rids`
+maps each user rid in flight to its internal id, so a user rid is never in flight twice.
+Outputs are stamped and queued by the dispatcher task as they arrive; route handlers consume
+them at their own pace. A handler that falls behind (a stream whose client does not read)
+never makes outputs pile up as frames: outputs are small deltas, folded together when taken.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
+from dataclasses import dataclass, replace
 
 import zmq.asyncio
 
@@ -38,35 +48,78 @@ class Unsendable(SubmitError):
     64 bits, a lone surrogate in a string): a client error, not a server one."""
 
 
+class QueueFull(SubmitError):
+    """--max-queued-requests: the server has as many requests waiting as it may (503)."""
+
+    status = 503
+
+
 class RequestState:
-    """One request as the client sees it: cumulative text and ids, meta, timing."""
+    """One request as the client sees it: cumulative text and ids, meta, timing.
 
-    __slots__ = ("rid", "timing", "queue", "text", "output_ids", "last", "logprob",
-                 "output_logprobs", "input_logprobs", "text_in_logprobs")
+    Outputs wait in `pending` until taken; `take()` folds every pending output at once into
+    the cumulative text, ids and logprobs (so a slow reader costs one delta per output, not
+    one frame). `unsent()` hands out what arrived since it was last called (incremental
+    frames)."""
 
-    def __init__(self, rid: str, logprob: LogprobRequest | None = None):
+    __slots__ = ("rid", "user_rid", "timing", "pending", "arrived", "listener", "text",
+                 "output_ids", "last", "logprob", "output_logprobs", "input_logprobs",
+                 "text_in_logprobs", "sent", "timer")
+
+    def __init__(self, rid: str, logprob: LogprobRequest | None = None,
+                 user_rid: str | None = None):
         self.rid = rid
+        self.user_rid = rid if user_rid is None else user_rid
         self.timing = RequestTiming()
-        self.queue: asyncio.Queue[TextOutput] = asyncio.Queue()
+        self.pending: list[TextOutput] = []
+        self.arrived = asyncio.Event()          # set while pending is not empty
+        self.listener: asyncio.Event | None = None   # a stream watching several states
         self.text = ""
         self.output_ids: list[int] = []
-        self.last: TextOutput | None = None     # the newest output taken from the queue
+        self.last: TextOutput | None = None     # the newest output taken
         self.logprob = logprob                  # what logprobs were asked for, if any
         self.output_logprobs = Logprobs()       # cumulative, one entry per output id
         self.input_logprobs: Logprobs | None = None
         self.text_in_logprobs = False           # SGLang's return_text_in_logprobs
+        self.sent = (0, 0)                      # text and ids handed out by unsent()
+        self.timer: asyncio.TimerHandle | None = None   # --request-timeout
+
+    def push(self, out: TextOutput) -> None:
+        """Queue an output (the dispatcher's side)."""
+        self.pending.append(out)
+        self.arrived.set()
+        if self.listener is not None:
+            self.listener.set()
+
+    def take(self) -> TextOutput | None:
+        """Fold every pending output in; returns the newest (None if none was pending)."""
+        for out in self.pending:
+            self.text += out.text
+            self.output_ids += out.new_ids
+            if out.logprobs is not None:
+                self.output_logprobs.extend(out.logprobs)
+            if out.input_logprobs is not None:
+                self.input_logprobs = out.input_logprobs
+            self.last = out
+        self.pending = []
+        self.arrived.clear()
+        return self.last
 
     async def next(self) -> TextOutput:
-        """The next output, folded into the cumulative text, ids and logprobs."""
-        out = await self.queue.get()
-        self.text += out.text
-        self.output_ids += out.new_ids
-        if out.logprobs is not None:
-            self.output_logprobs.extend(out.logprobs)
-        if out.input_logprobs is not None:
-            self.input_logprobs = out.input_logprobs
-        self.last = out
+        """Wait for at least one output and fold in all that are pending; the newest."""
+        await self.arrived.wait()
+        out = self.take()
+        assert out is not None
         return out
+
+    def unsent(self) -> tuple[str, list[int], Logprobs]:
+        """Text, ids and their logprobs taken since the previous call, marked sent."""
+        t, i = self.sent
+        self.sent = (len(self.text), len(self.output_ids))
+        lp = self.output_logprobs
+        return self.text[t:], self.output_ids[i:], Logprobs(
+            lp.token_ids[i:], lp.logprobs[i:], lp.top_ids[i:], lp.top_logprobs[i:],
+            lp.texts[i:], lp.top_texts[i:])
 
     async def wait_finished(self) -> TextOutput:
         while self.last is None or self.last.finish is None:
@@ -95,16 +148,19 @@ class RequestState:
             tops.append([[v, t, x] for v, t, x in zip(vals, ids, names)])
         return tokens, tops
 
-    def meta_info(self, incremental: bool = False) -> dict:
+    def meta_info(self, incremental_logprobs: Logprobs | None = None) -> dict:
+        """meta_info of the newest output; logprobs are the cumulative ones unless an
+        increment is given (incremental streaming)."""
         out = self.last
         assert out is not None
-        meta = {"id": self.rid,
+        meta = {"id": self.user_rid,
                 "finish_reason": out.finish.to_json() if out.finish else None,
                 "prompt_tokens": out.prompt_tokens,
                 "completion_tokens": out.completion_tokens,
                 "cached_tokens": out.cached_tokens}
         if self.logprob is not None:
-            lp = (out.logprobs or Logprobs()) if incremental else self.output_logprobs
+            lp = self.output_logprobs if incremental_logprobs is None else \
+                incremental_logprobs
             meta["output_token_logprobs"], meta["output_top_logprobs"] = \
                 self._logprob_triples(lp)
             if self.input_logprobs is not None:
@@ -117,64 +173,118 @@ class RequestState:
         return meta
 
 
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Limits the dispatcher applies before a request reaches a tokenizer."""
+
+    max_queued: int | None = None       # --max-queued-requests
+    timeout: float | None = None        # --request-timeout (waiting plus running)
+
+
 class Dispatcher:
     """Owns the rid -> RequestState dict and the API end of the pipeline."""
 
-    def __init__(self, addrs: Addresses):
+    def __init__(self, addrs: Addresses, admission: Admission = Admission()):
         ctx = zmq.asyncio.Context()
         self.inbox = AsyncInbox(ctx, addrs.api)
         # A plain (non-awaiting) send on an asyncio socket: sends never block (no HWM), and
         # aborts must be sendable from cancellation paths that cannot await.
         self.to_tokenizer = Outbox(ctx, addrs.tokenizer)
-        self.states: dict[str, RequestState] = {}
+        self.admission = admission
+        self.states: dict[str, RequestState] = {}     # internal id -> state
+        self.rids: dict[str, str] = {}                # user rid -> internal id
+        self.ids = itertools.count()
         self.lost: str | None = None      # set when the pipeline is gone; then all fail fast
         self.loop: asyncio.AbstractEventLoop | None = None   # set once run() starts
         self.load = SchedulerLoad()                          # the newest the scheduler sent
         self.controls: dict[str, asyncio.Future[ControlReply]] = {}
 
+    @property
+    def waiting(self) -> int:
+        """Requests in flight that the scheduler is not running (its last word on running
+        may lag a little: this errs towards counting more waiting)."""
+        return max(len(self.states) - self.load.running, 0)
+
     def submit(self, reqs: list[GenerateRequest]) -> list[RequestState]:
-        """Register and send a group of requests atomically (all or none)."""
+        """Register and send a group of requests atomically (all or none). Each is sent
+        under a fresh internal id; the state keeps the client's rid."""
         rids = [r.rid for r in reqs]
-        dup = next((rid for rid in rids if rid in self.states), None)
+        dup = next((rid for rid in rids if rid in self.rids), None)
         if dup is None and len(set(rids)) < len(rids):
             dup = next(rid for rid in rids if rids.count(rid) > 1)
         if dup is not None:
             raise DuplicateRid(f"Duplicate request ID {dup!r} is already in flight.")
+        limit = self.admission.max_queued
+        if limit is not None and self.waiting >= limit:
+            raise QueueFull(f"The server is busy: {self.waiting} requests are already "
+                            f"waiting (--max-queued-requests {limit}). Try again later.")
+        sent = [replace(r, rid=f"{next(self.ids):x}") for r in reqs]
         try:
-            frames = [encode(r) for r in reqs]
+            frames = [encode(r) for r in sent]
         except (OverflowError, UnicodeEncodeError, ValueError, TypeError) as e:
             raise Unsendable(f"The request has a value that cannot be processed: {e}") from None
         states = []
-        for req, frame in zip(reqs, frames):
-            state = self.states[req.rid] = RequestState(req.rid, req.logprob)
+        for req, wire, frame in zip(reqs, sent, frames):
+            state = RequestState(wire.rid, req.logprob, user_rid=req.rid)
+            self.states[wire.rid] = state
+            self.rids[req.rid] = wire.rid
+            if self.admission.timeout is not None:
+                state.timer = asyncio.get_running_loop().call_later(
+                    self.admission.timeout, self.end, state, FinishReason(
+                        "abort", status_code=503, message=f"The request timed out after "
+                        f"{self.admission.timeout:g} s (--request-timeout)."))
             self.to_tokenizer.send_frame(frame)
             states.append(state)
         return states
 
-    def abort(self, rid: str, message: str = "Aborted by the client.") -> None:
-        if rid in self.states and not self.lost:
+    def _forget(self, state: RequestState) -> None:
+        self.states.pop(state.rid, None)
+        if self.rids.get(state.user_rid) == state.rid:
+            del self.rids[state.user_rid]
+        if state.timer is not None:
+            state.timer.cancel()
+
+    def end(self, state: RequestState, finish: FinishReason) -> None:
+        """End a request here, at once (timeout, shutdown): its client gets `finish`, the
+        pipeline is told to abort it, and whatever it still sends is dropped."""
+        if self.states.get(state.rid) is not state:
+            return
+        self._forget(state)
+        if not self.lost:
+            self.to_tokenizer.send(AbortRequest(rid=state.rid, message=finish.message or ""))
+        state.timing.mark_output(time.monotonic(), terminal=True)
+        state.push(TextOutput(state.rid, "", [], finish))
+
+    def end_all(self, message: str) -> None:
+        """Shutdown: every request in flight ends with a 503 and `message`."""
+        for state in list(self.states.values()):
+            self.end(state, FinishReason("abort", message=message, status_code=503))
+
+    def abort(self, user_rid: str, message: str = "Aborted by the client.") -> None:
+        rid = self.rids.get(user_rid)
+        if rid is not None and not self.lost:
             self.to_tokenizer.send(AbortRequest(rid=rid, message=message))
 
     def abort_prefix(self, prefix: str) -> int:
-        rids = [rid for rid in self.states if rid.startswith(prefix)]
+        rids = [rid for rid in self.rids if rid.startswith(prefix)]
         for rid in rids:
             self.abort(rid)
         return len(rids)
 
     def abort_unfinished(self, states: list[RequestState]) -> None:
         for s in states:
-            if self.states.get(s.rid) is s:
-                self.abort(s.rid)
+            if self.states.get(s.rid) is s and not self.lost:
+                self.to_tokenizer.send(AbortRequest(rid=s.rid))
 
     def fail_all(self, message: str) -> None:
         """The pipeline is lost: end every request in flight with a 503."""
         self.lost = message
         now = time.monotonic()
-        for state in self.states.values():
+        for state in list(self.states.values()):
+            self._forget(state)
             state.timing.mark_output(now, terminal=True)
-            state.queue.put_nowait(TextOutput(state.rid, "", [], FinishReason(
+            state.push(TextOutput(state.rid, "", [], FinishReason(
                 "abort", message=message, status_code=503)))
-        self.states.clear()
 
     async def flush_cache(self, timeout: float = 30.0) -> ControlReply:
         req_id = uuid.uuid4().hex
@@ -215,9 +325,9 @@ class Dispatcher:
             for out in batch.outputs:
                 state = self.states.get(out.rid)
                 if state is None:
-                    continue                      # e.g. the pipeline was declared lost
+                    continue                      # ended here already (timeout, lost, ...)
                 terminal = out.finish is not None
                 state.timing.mark_output(now, terminal)
-                state.queue.put_nowait(out)
                 if terminal:
-                    del self.states[out.rid]
+                    self._forget(state)
+                state.push(out)

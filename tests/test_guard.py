@@ -1,0 +1,115 @@
+"""The guard around every route (api_proc/guard.py), in process: the app is built as the API
+process builds it, and every route it has is called without a key, so a route added later
+cannot slip past the check."""
+
+from __future__ import annotations
+
+import pytest
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from api_proc.app import build_app
+from api_proc.state import Dispatcher
+from wire.addresses import Addresses
+from wire.server_args import ServerArgs
+
+KEY, ADMIN = "user-key", "admin-key"
+
+
+@pytest.fixture
+def app():
+    addrs = Addresses.create()
+    args = ServerArgs(model_path="/nonexistent", context_length=512, api_key=KEY,
+                      admin_api_key=ADMIN)
+    try:
+        yield build_app(args, Dispatcher(addrs), {})
+    finally:
+        addrs.cleanup()
+
+
+def routes(app) -> list[tuple[str, str]]:
+    out = [(r.path, m) for r in app.routes if isinstance(r, Route)
+           for m in sorted(r.methods or ()) if m != "HEAD"]
+    assert ("/generate", "POST") in out and ("/v1/chat/completions", "POST") in out
+    return out
+
+
+def test_every_route_but_health_needs_the_key(app):
+    client = TestClient(app, raise_server_exceptions=False)
+    checked = 0
+    for path, method in routes(app):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = client.request(method, path, json={}, headers=headers)
+            if path == "/health":
+                assert r.status_code != 401, (path, method)
+            else:
+                assert r.status_code == 401, (path, method, headers, r.text)
+                assert "API key" in r.json()["error"]["message"]
+                assert r.headers["www-authenticate"] == "Bearer"
+                checked += 1
+    assert checked >= 30
+
+
+def test_admin_routes_need_the_admin_key(app):
+    client = TestClient(app, raise_server_exceptions=False)
+    user = {"Authorization": f"Bearer {KEY}"}
+    r = client.post("/flush_cache", json={}, headers=user)
+    assert r.status_code == 403 and "admin" in r.json()["error"]["message"]
+    r = client.post("/abort_request", json={"abort_all": True}, headers=user)
+    assert r.status_code == 403 and "admin" in r.json()["error"]["message"]
+    # Aborting one's own request by its exact rid needs only the user key.
+    r = client.post("/abort_request", json={"rid": "mine"}, headers=user)
+    assert r.status_code == 200 and r.json() == {"aborted": 0}
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    r = client.post("/abort_request", json={"abort_all": True}, headers=admin)
+    assert r.status_code == 200
+    r = client.post("/abort_request", content=b"rid=x", headers={
+        **admin, "content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 415
+
+
+def test_cross_origin_requests_are_refused(app):
+    client = TestClient(app, raise_server_exceptions=False)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = client.get("/v1/models", headers={**auth, "Origin": "http://evil.example"})
+    assert r.status_code == 403 and "origin" in r.json()["error"]["message"]
+    r = client.get("/v1/models", headers={**auth, "Origin": "http://testserver"})
+    assert r.status_code == 200
+
+
+def test_allowed_origins_get_cors_headers():
+    addrs = Addresses.create()
+    try:
+        args = ServerArgs(model_path="/m", context_length=512,
+                          allowed_origins="http://ui.example")
+        client = TestClient(build_app(args, Dispatcher(addrs), {}))
+        r = client.options("/generate", headers={
+            "Origin": "http://ui.example", "Access-Control-Request-Method": "POST"})
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-origin"] == "http://ui.example"
+        r = client.get("/v1/models", headers={"Origin": "http://ui.example"})
+        assert r.status_code == 200
+        r = client.get("/v1/models", headers={"Origin": "http://other.example"})
+        assert r.status_code == 403
+    finally:
+        addrs.cleanup()
+
+
+def test_no_keys_means_an_open_local_server():
+    addrs = Addresses.create()
+    try:
+        client = TestClient(build_app(ServerArgs(model_path="/m", context_length=512),
+                                      Dispatcher(addrs), {}))
+        assert client.get("/v1/models").status_code == 200
+        assert client.post("/abort_request", json={"rid": "x"}).json() == {"aborted": 0}
+    finally:
+        addrs.cleanup()
+
+
+def test_errors_are_json(app):
+    client = TestClient(app, raise_server_exceptions=False)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = client.get("/no/such/route", headers=auth)
+    assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"
+    r = client.get("/generate", headers=auth)
+    assert r.status_code == 405 and "error" in r.json()
