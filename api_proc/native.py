@@ -24,6 +24,55 @@ LOGPROB_KEYS = ("return_logprob", "top_logprobs_num", "logprob_start_len",
                 "return_text_in_logprobs")
 KNOWN_KEYS = {"text", "input_ids", "sampling_params", "rid", "stream", *LOGPROB_KEYS}
 
+# The rest of SGLang's GenerateReqInput. Its clients send many of these on every request
+# (bench_serving: lora_path, return_routed_experts; the router: model, log_metrics, no_logs,
+# background, return_bytes, return_entropy, return_hidden_states, ...).
+# Bookkeeping that does not change the output: any value is accepted and ignored.
+SGLANG_IGNORED = frozenset({
+    "model", "log_metrics", "no_logs", "custom_labels", "conversation_id", "routing_key",
+    "priority", "received_time", "external_trace_header", "session_id"})
+# Features zserve does not have: accepted at their default (or null), else a 400.
+SGLANG_DEFAULTS: dict[str, Any] = {
+    "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None,
+    "mm_hashes": None, "mm_content_hashes": None, "use_audio_in_video": False,
+    "video_config": None, "token_ids_logprob": None, "return_sampling_mask": False,
+    "return_flat_raw_top_logprobs": False, "return_flat_raw_top_logprobs_b64": False,
+    "return_hidden_states": False, "return_routed_experts": False,
+    "routed_experts_start_len": 0, "return_indexer_topk": False, "modalities": None,
+    "session_params": None, "lora_path": None, "lora_id": None,
+    "custom_logit_processor": None, "positional_embed_overrides": None,
+    "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None,
+    "bootstrap_pair_key": None, "decode_tp_size": None, "routed_dp_rank": None,
+    "data_parallel_rank": None, "disagg_prefill_dp_rank": None, "kv_router_hint": None,
+    "http_worker_ipc": None, "background": False, "require_reasoning": False,
+    "max_thinking_tokens": None, "extra_key": None, "cache_salt": None,
+    "return_bytes": False, "return_entropy": False, "return_prompt_token_ids": False,
+    "need_wait_for_mm_inputs": None, "num_items_assigned": None, "encoder_urls": None,
+    "max_dynamic_patch": None, "min_dynamic_patch": None, "image_max_dynamic_patch": None,
+    "video_max_dynamic_patch": None, "images_config": None,
+    "multi_item_delimiter_indices": None,
+}
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    """null, the default, or (batch form) a list of those."""
+    if value is None or (value == default and type(value) is type(default)):
+        return True
+    return isinstance(value, list) and all(_is_default(v, default) for v in value)
+
+
+def _check_fields(body: dict) -> None:
+    unknown = sorted(k for k in body
+                     if k not in KNOWN_KEYS and k not in SGLANG_IGNORED
+                     and k not in SGLANG_DEFAULTS)
+    if unknown:
+        raise BadRequest(f"Unknown field(s) in the request: {', '.join(unknown)}.")
+    unsupported = sorted(k for k, default in SGLANG_DEFAULTS.items()
+                         if k in body and not _is_default(body[k], default))
+    if unsupported:
+        raise BadRequest(f"Field(s) not supported by zserve: {', '.join(unsupported)} "
+                         f"(only null or the default value is accepted).")
+
 
 def _raise(message: str, status: int) -> None:
     raise BadRequest(message, status)
@@ -94,9 +143,7 @@ def _rids(body: dict, num: int, ns: list[int], is_batch: bool) -> list[str]:
 def parse_generate(body: Any) -> ParsedGenerate:
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.")
-    unknown = sorted(set(body) - KNOWN_KEYS)
-    if unknown:
-        raise BadRequest(f"Unknown field(s) in the request: {', '.join(unknown)}.")
+    _check_fields(body)
     logprob, text_in_logprobs = _logprob(body)
     prompts, is_batch, kind = _prompts(body)
     params = _sampling(body, len(prompts), is_batch)

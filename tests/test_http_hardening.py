@@ -252,3 +252,12 @@ def test_shutdown_deadline_ends_streams_with_an_error_event(tiny_model, tmp_path
         assert time.monotonic() - t0 < 30
     finally:
         s.kill()
+
+
+def test_sglang_clients_default_fields_are_served(server):
+    """SGLang's bench client and router send every GenerateReqInput field; defaults pass."""
+    from tests.test_parse_generate import SGLANG_DEFAULT_BODY
+    out = server.generate_ok(**SGLANG_DEFAULT_BODY)
+    assert out["meta_info"]["completion_tokens"] == 2
+    r = server.generate(text="a", lora_path="adapter")
+    assert r.status_code == 400 and "lora_path" in r.json()["error"]["message"]

@@ -268,3 +268,49 @@ def test_n_samples_with_a_seed_get_consecutive_seeds():
     assert [r.sampling.sampling_seed for r in p.requests] == [10, 11, 12]
     single = parse_generate({"text": "a", "sampling_params": {"sampling_seed": 10}})
     assert single.requests[0].sampling.sampling_seed == 10
+
+
+# Every field of SGLang's GenerateReqInput with its default value, as SGLang's clients send
+# them (bench_serving, the router), plus what the router adds.
+SGLANG_DEFAULT_BODY = {
+    "text": "hello", "sampling_params": {"max_new_tokens": 2}, "rid": None,
+    "session_id": None, "input_ids": None, "input_embeds": None, "image_data": None,
+    "video_data": None, "audio_data": None, "mm_hashes": None, "mm_content_hashes": None,
+    "use_audio_in_video": False, "video_config": None, "return_logprob": None,
+    "logprob_start_len": None, "top_logprobs_num": None, "token_ids_logprob": None,
+    "return_sampling_mask": None, "return_text_in_logprobs": False,
+    "return_flat_raw_top_logprobs": False, "return_flat_raw_top_logprobs_b64": False,
+    "stream": False, "log_metrics": True, "return_hidden_states": False,
+    "return_routed_experts": False, "routed_experts_start_len": 0,
+    "return_indexer_topk": False, "modalities": None, "session_params": None,
+    "lora_path": None, "lora_id": None, "custom_logit_processor": None,
+    "positional_embed_overrides": None, "bootstrap_host": None, "bootstrap_port": None,
+    "bootstrap_room": None, "bootstrap_pair_key": None, "decode_tp_size": None,
+    "routed_dp_rank": None, "data_parallel_rank": None, "disagg_prefill_dp_rank": None,
+    "kv_router_hint": None, "routing_key": None, "conversation_id": None,
+    "http_worker_ipc": None, "background": False, "require_reasoning": False,
+    "max_thinking_tokens": None, "priority": None, "extra_key": None, "no_logs": False,
+    "custom_labels": None, "return_bytes": False, "return_entropy": False,
+    "return_prompt_token_ids": False, "external_trace_header": None, "received_time": None,
+    "need_wait_for_mm_inputs": None, "num_items_assigned": None, "encoder_urls": None,
+    "max_dynamic_patch": None, "min_dynamic_patch": None, "image_max_dynamic_patch": None,
+    "video_max_dynamic_patch": None, "images_config": None,
+    "multi_item_delimiter_indices": None, "cache_salt": None, "model": "default",
+}
+
+
+def test_sglang_default_fields_are_accepted():
+    p = parse_generate(SGLANG_DEFAULT_BODY)
+    assert len(p.requests) == 1 and p.requests[0].text == "hello"
+    batch = {**SGLANG_DEFAULT_BODY, "text": ["a", "b"], "lora_path": [None, None]}
+    assert len(parse_generate(batch).requests) == 2
+
+
+@pytest.mark.parametrize("field,value", [("lora_path", "my-adapter"),
+                                         ("return_hidden_states", True),
+                                         ("image_data", "http://x/cat.png"),
+                                         ("routed_experts_start_len", 3),
+                                         ("background", True)])
+def test_sglang_features_we_lack_are_400_naming_the_field(field, value):
+    with pytest.raises(BadRequest, match=f"not supported by zserve: {field}"):
+        parse_generate({"text": "a", field: value})

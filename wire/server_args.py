@@ -8,11 +8,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
+import typing
 from dataclasses import dataclass, field
 
 
 def _opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        """One line, no usage dump: the mistake and where to look."""
+        sys.stderr.write(f"zserve: {message} (see python launch.py --help)\n")
+        sys.exit(2)
 
 
 @dataclass(slots=True)
@@ -71,19 +80,27 @@ class ServerArgs:
                           choices=["debug", "info", "warning", "error", "critical"])
 
     @classmethod
-    def from_cli(cls, argv: list[str] | None = None) -> "ServerArgs":
-        parser = argparse.ArgumentParser(prog="launch.py", description="zserve server")
+    def parser(cls) -> argparse.ArgumentParser:
+        """Every field is a flag; its type comes from the field's annotation."""
+        parser = _Parser(prog="launch.py", description="zserve: an LLM server (SGLang-style "
+                         "processes over ZeroMQ).",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            meta = dict(f.metadata)
-            if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", help=meta["help"])
-                continue
-            base = f.type.split(" |")[0] if isinstance(f.type, str) else f.type
-            kind = {"int": int, "str": str, "float": float}[base]
-            parser.add_argument(flag, type=kind, default=f.default, **meta)
-        ns = parser.parse_args(argv)
-        args = cls(**vars(ns))
+            meta = {**f.metadata, "help": f.metadata["help"].replace("%", "%%")}
+            kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],)
+                        if t is not type(None))
+            if kind is bool:
+                parser.add_argument(flag, action="store_true", **meta)
+            else:
+                parser.add_argument(flag, type=kind, default=f.default,
+                                    metavar=f.name.upper(), **meta)
+        return parser
+
+    @classmethod
+    def from_cli(cls, argv: list[str] | None = None) -> "ServerArgs":
+        args = cls(**vars(cls.parser().parse_args(argv)))
         args.check()
         return args
 
