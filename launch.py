@@ -13,10 +13,12 @@ children are stopped, the ipc directory removed, and the exit code is 0.
 
 from __future__ import annotations
 
+import errno
 import logging
 import multiprocessing as mp
 import os
 import signal
+import socket
 import sys
 import threading
 from multiprocessing.connection import wait
@@ -25,6 +27,7 @@ import setproctitle
 
 from wire.addresses import Addresses
 from wire.messages import SchedulerLoad
+from wire.model_path import StartupError, model_facts, resolve_model_path
 from wire.proc import read_ready
 from wire.server_args import ServerArgs
 
@@ -34,26 +37,52 @@ DEATH_SHUTDOWN_TIMEOUT = 5.0   # after a child died: seconds to answer clients, 
 
 
 def resolve_args(args: ServerArgs) -> ServerArgs:
-    """Fill the defaults that depend on the model."""
+    """Check the model path and fill the defaults that depend on the model. Raises
+    StartupError (one line for the user) for anything wrong, before anything is loaded."""
+    if args.device == "cuda" and not _cuda_visible():
+        raise StartupError("--device cuda: no CUDA device is visible on this machine (no "
+                           "NVIDIA driver); use --device cpu")
     if args.model_path is None:
         from checkpoints.tiny import ensure_checkpoint
         args.model_path = str(ensure_checkpoint("llama"))
-        log.info("no --model-path: serving the built-in demo model at %s", args.model_path)
-    from scheduler_proc.models.config import ModelConfig
-    config = ModelConfig.from_dir(args.model_path)
+        log.warning("no --model-path: serving the built-in demo model at %s (random weights: "
+                    "its text is gibberish)", args.model_path)
+    args.model_path = resolve_model_path(args.model_path)
+    facts = model_facts(args.model_path)
     if args.context_length is None:
-        args.context_length = config.max_position_embeddings
-    if args.context_length > config.max_position_embeddings:
+        args.context_length = facts.max_position_embeddings
+    if args.context_length > facts.max_position_embeddings:
         # RoPE is defined (and its table built) for the model's positions only.
-        raise SystemExit(f"zserve: --context-length {args.context_length} is longer than the "
-                         f"model's max_position_embeddings ({config.max_position_embeddings})")
-    window = config.sliding_window
+        raise StartupError(f"--context-length {args.context_length} is longer than the "
+                           f"model's max_position_embeddings ({facts.max_position_embeddings})")
+    window = facts.sliding_window
     if window is not None and args.context_length > window:
         # Attention here is full attention: exact only while sequences fit in the window.
         log.warning("the model uses sliding-window attention (%d); serving a context length "
                     "of %d instead of %d", window, window, args.context_length)
         args.context_length = window
     return args
+
+
+def _cuda_visible() -> bool:
+    """Without importing torch: an NVIDIA driver is loaded (torch checks again later)."""
+    return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidiactl")
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound before any child starts, so a busy port is found at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        reason = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound " \
+            f"({e.strerror})"
+        raise StartupError(f"--host {host} --port {port}: the address {reason}") from None
+    sock.set_inheritable(False)
+    return sock
 
 
 class Children:
@@ -145,7 +174,7 @@ def _on_signal(signum, _frame) -> None:
     raise Shutdown(signal.Signals(signum).name)
 
 
-def serve(args: ServerArgs) -> int:
+def serve(args: ServerArgs, listener: socket.socket) -> int:
     from api_proc.app import build_app
     from api_proc.server import make_server
     from api_proc.state import Admission, Dispatcher
@@ -180,7 +209,7 @@ def serve(args: ServerArgs) -> int:
         children.supervise(on_death)
         log.info("serving on http://%s:%d", args.host, args.port)
         try:
-            server.run()
+            server.run(sockets=[listener])
         except Shutdown:
             pass
         return exit_code if exit_code else (0 if server.started else 1)
@@ -188,7 +217,10 @@ def serve(args: ServerArgs) -> int:
         log.info("%s during startup: shutting down", e)
         return 0
     except RuntimeError as e:
-        log.error("startup failed: %s", e)
+        text = str(e).strip()
+        if not log.isEnabledFor(logging.DEBUG):     # tracebacks at --log-level debug only
+            text = text.splitlines()[-1] if text else "unknown error"
+        log.error("startup failed: %s", text)
         return 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)   # teardown must not be interrupted
@@ -217,7 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     setproctitle.setproctitle("zserve::api")
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    return serve(resolve_args(args))
+    try:
+        args = resolve_args(args)
+        listener = bind_listener(args.host, args.port)
+    except StartupError as e:
+        sys.stderr.write(f"zserve: {e}\n")
+        return 2
+    return serve(args, listener)
 
 
 if __name__ == "__main__":

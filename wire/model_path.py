@@ -1,0 +1,109 @@
+"""What `--model-path` names, found out in the launcher before any process loads anything.
+
+`resolve_model_path(arg)` returns a local path (a Hugging Face directory, a .gguf file, or
+a directory holding exactly one .gguf) or raises StartupError with one line that says what
+is wrong and what to pass instead. It reads only file names and config.json: no torch, so
+every mistake is reported within a second, before a model is loaded.
+
+A value that is not an existing path but looks like `Org/Name` is a Hugging Face hub id,
+resolved through huggingface_hub: its local cache first, then a download where the network
+allows one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# Hugging Face architecture names zserve implements (scheduler_proc/models/config.py maps
+# each to its family).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class StartupError(Exception):
+    """A mistake in how the server was started; the message is the whole story."""
+
+
+def resolve_model_path(arg: str) -> str:
+    path = Path(arg).expanduser()
+    if not path.exists():
+        if _HUB_ID.match(arg) and not arg.startswith((".", "~")):
+            return check_local(_from_hub(arg))
+        raise StartupError(f"--model-path {arg}: no such file or directory")
+    return check_local(str(path))
+
+
+def check_local(arg: str) -> str:
+    path = Path(arg)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise StartupError(f"--model-path {arg}: a file must be a .gguf model; otherwise "
+                               f"pass a Hugging Face model directory")
+        return str(path)
+    ggufs = sorted(path.glob("*.gguf"))
+    if not (path / "config.json").exists():
+        if len(ggufs) == 1:
+            return str(ggufs[0])
+        if ggufs:
+            raise StartupError(f"--model-path {arg}: the directory holds {len(ggufs)} .gguf "
+                               f"files; pass one of them: "
+                               f"{', '.join(g.name for g in ggufs[:4])}")
+        raise StartupError(f"--model-path {arg}: no config.json (or .gguf file) in this "
+                           f"directory; pass a Hugging Face model directory or a .gguf file")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise StartupError(f"--model-path {arg}: config.json cannot be read: {e}") from None
+    if (path / "zserve_gguf.json").exists():
+        return str(path)                    # a GGUF sidecar: weights live in the .gguf
+    archs = config.get("architectures") or [config.get("model_type")]
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise StartupError(f"--model-path {arg}: architecture {', '.join(map(str, archs))} "
+                           f"is not supported; zserve serves "
+                           f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    if not any(path.glob("*.safetensors")):
+        raise StartupError(f"--model-path {arg}: no *.safetensors weights in this directory")
+    return str(path)
+
+
+def _from_hub(repo_id: str) -> str:
+    """The local snapshot of a hub model: cached, else downloaded (weights, config and
+    tokenizer files only)."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise StartupError(f"--model-path {repo_id}: not a local path, and huggingface_hub "
+                           f"is not installed to resolve it as a hub id") from None
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+    try:
+        return snapshot_download(repo_id, local_files_only=True, allow_patterns=patterns)
+    except Exception:
+        pass                                 # not cached (or not completely): download
+    try:
+        return snapshot_download(repo_id, allow_patterns=patterns, etag_timeout=10)
+    except Exception as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise StartupError(
+            f"--model-path {repo_id}: not a local path, not in the Hugging Face cache, and "
+            f"it could not be downloaded ({reason}); pass a local model directory or a "
+            f".gguf file") from None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What the launcher needs to know of a model before any process loads it."""
+
+    max_position_embeddings: int
+    sliding_window: int | None
+
+
+def model_facts(path: str) -> ModelFacts:
+    """From config.json (the same defaults as scheduler_proc/models/config.py)."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    mistral = "MistralForCausalLM" in (config.get("architectures") or [])
+    return ModelFacts(int(config.get("max_position_embeddings", 2048)),
+                      config.get("sliding_window") if mistral else None)
