@@ -4,67 +4,169 @@ Per rid it keeps a DecodeStream from the rid's first output (which carries Decod
 until its terminal output. When a stop string matches, the request is finished here: the
 API gets the terminal output at once and the scheduler gets a ReleaseRequest; until the
 scheduler's own terminal output for that rid arrives, its outputs are dropped.
+
+Each output is checked against what the detokenizer knows before it is decoded: token ids
+inside the vocabulary, logprob lists of matching lengths, decode params within the API's
+limits. An output that fails (or whose decoding fails) ends its own request the same way a
+stop string does, with a status-500 abort instead of a stop, and the rest of the batch goes
+on; an output for an unknown rid without decode params is dropped. Both are counted.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import zmq
 
 from detokenizer_proc.incremental import DecodeStream
 from wire.addresses import Addresses
-from wire.messages import (FinishReason, Logprobs, ReleaseRequest, TextBatch, TextOutput,
-                           TokenBatch, TokenOutput)
+from wire.messages import (DecodeParams, FinishReason, Logprobs, ReleaseRequest, TextBatch,
+                           TextOutput, TokenBatch, TokenOutput)
 from wire.proc import run_child
+from wire.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from wire.server_args import ServerArgs
 from wire.sockets import Inbox, Outbox
 
 log = logging.getLogger(__name__)
 
 
+FINISH_TYPES = ("length", "stop", "abort")
+
+
+class OutputError(ValueError):
+    """A TokenOutput that cannot be right, whoever sent it."""
+
+
 @dataclass(slots=True)
 class RidState:
-    stream: DecodeStream
+    stream: DecodeStream | None     # None once released: nothing more is decoded
     completion_tokens: int = 0
-    released: bool = False      # finished here by a stop string; awaiting the scheduler's end
+    released: bool = False      # finished here (stop string, error); awaiting the scheduler's end
 
 
 class Detokenizer:
-    def __init__(self, tokenizer):
+    """`process(batch)` never raises. Counters: `dropped` (outputs for unknown rids without
+    decode params), `failed` (outputs that ended their request with an error here)."""
+
+    def __init__(self, tokenizer, model_vocab_size: int | None = None):
         self.tokenizer = tokenizer
+        # Ids the model may emit: the tokenizer's, added tokens included, and the rows of a
+        # model whose embedding is padded past them (those decode to "").
+        self.vocab_size = max(len(tokenizer), model_vocab_size or 0)
         self.states: dict[str, RidState] = {}
+        self.dropped = 0
+        self.failed = 0
 
     def process(self, batch: TokenBatch) -> tuple[TextBatch, list[str]]:
         """Returns the text outputs and the rids to release in the scheduler."""
         outs: list[TextOutput] = []
         release: list[str] = []
         for o in batch.outputs:
-            st = self.states.get(o.rid)
-            if st is None:
-                if o.decode is None:
-                    log.error("output for unknown rid %s without decode params", o.rid)
-                    continue
-                d = o.decode
-                st = self.states[o.rid] = RidState(DecodeStream(
-                    self.tokenizer, skip_special_tokens=d.skip_special_tokens,
-                    spaces_between_special_tokens=d.spaces_between_special_tokens,
-                    stop=d.stop, no_stop_trim=d.no_stop_trim))
-            if st.released:
-                if o.finish is not None:
-                    del self.states[o.rid]
-                continue
-            out = self._step(st, o)
-            if out.finish is not None:
-                if o.finish is None:        # finished by a stop string: the scheduler runs on
-                    st.released = True
-                    release.append(o.rid)
-                else:
-                    del self.states[o.rid]
-            outs.append(out)
+            try:
+                out = self._output(o, release)
+            except Exception as e:
+                out = self._fail(o, e, release)
+            if out is not None:
+                outs.append(out)
         return TextBatch(outs, batch.load), release
+
+    def _output(self, o: TokenOutput, release: list[str]) -> TextOutput | None:
+        st = self.states.get(o.rid)
+        if st is None:
+            if o.decode is None:
+                self.dropped += 1
+                log.error("dropped an output for unknown rid %r without decode params "
+                          "(%d dropped so far)", o.rid, self.dropped)
+                return None
+            self._check_decode(o.decode)
+            d = o.decode
+            st = RidState(DecodeStream(
+                self.tokenizer, skip_special_tokens=d.skip_special_tokens,
+                spaces_between_special_tokens=d.spaces_between_special_tokens,
+                stop=d.stop, no_stop_trim=d.no_stop_trim))
+            self.states[o.rid] = st
+        if st.released:
+            if o.finish is not None:
+                del self.states[o.rid]
+            return None
+        self._check(o)
+        out = self._step(st, o)
+        if out.finish is not None:
+            if o.finish is None:        # finished by a stop string: the scheduler runs on
+                self._release(o.rid, st, release)
+            else:
+                del self.states[o.rid]
+        return out
+
+    def _release(self, rid: str, st: RidState, release: list[str]) -> None:
+        st.released = True
+        st.stream = None
+        release.append(rid)
+
+    def _fail(self, o: TokenOutput, e: Exception, release: list[str]) -> TextOutput:
+        """End o's request with an error; the scheduler is told to stop it unless this was
+        its last output."""
+        self.failed += 1
+        if isinstance(e, OutputError):
+            log.error("ended request %r: %s (%d failed so far)", o.rid, e, self.failed)
+            message = f"Internal error: the detokenizer got a bad output ({e})."
+        else:
+            log.exception("ended request %r on an internal error (%d failed so far)", o.rid,
+                          self.failed)
+            message = f"Internal error in the detokenizer ({type(e).__name__})."
+        st = self.states.get(o.rid) or RidState(None)
+        if o.finish is None:
+            self.states[o.rid] = st
+            if not st.released:
+                self._release(o.rid, st, release)
+        else:
+            self.states.pop(o.rid, None)
+        return TextOutput(rid=o.rid, text="", new_ids=[],
+                          finish=FinishReason("abort", message=message, status_code=500),
+                          prompt_tokens=o.prompt_tokens,
+                          completion_tokens=st.completion_tokens,
+                          cached_tokens=o.cached_tokens)
+
+    # ---- validation -------------------------------------------------------------------------
+
+    def _check_ids(self, ids: list[int], what: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise OutputError(f"{what} has token id {bad}, outside the vocabulary "
+                              f"[0, {self.vocab_size})")
+
+    def _check_logprobs(self, lp: Logprobs | None, what: str) -> None:
+        if lp is None:
+            return
+        n = len(lp.token_ids)
+        if not len(lp.logprobs) == len(lp.top_ids) == len(lp.top_logprobs) == n:
+            raise OutputError(f"{what} has lists of different lengths")
+        if any(len(i) != len(v) for i, v in zip(lp.top_ids, lp.top_logprobs)):
+            raise OutputError(f"{what} has top lists of different lengths")
+        self._check_ids(lp.token_ids, what)
+        for ids in lp.top_ids:
+            self._check_ids(ids, what)
+
+    def _check(self, o: TokenOutput) -> None:
+        self._check_ids(o.new_ids, "new_ids")
+        self._check_logprobs(o.logprobs, "logprobs")
+        self._check_logprobs(o.input_logprobs, "input_logprobs")
+        if o.finish is not None and o.finish.type not in FINISH_TYPES:
+            raise OutputError(f"unknown finish type {o.finish.type!r}")
+        if o.queue_time is not None and not math.isfinite(o.queue_time):
+            raise OutputError(f"queue_time is {o.queue_time}")
+
+    @staticmethod
+    def _check_decode(d: DecodeParams) -> None:
+        # The API's limits: DecodeStream keeps every prefix of every stop string.
+        if len(d.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in d.stop):
+            raise OutputError(f"decode params with {len(d.stop)} stop strings (at most "
+                              f"{MAX_STOP_STRINGS} of at most {MAX_STOP_LENGTH} characters)")
 
     def _step(self, st: RidState, o: TokenOutput) -> TextOutput:
         delta = st.stream.push(o.new_ids, finished=o.finish is not None)
@@ -94,10 +196,20 @@ class Detokenizer:
         return lp
 
 
+def model_vocab_size(model_path: str | None) -> int | None:
+    """The model's vocab_size from its config.json (None if unreadable). Read directly: the
+    detokenizer does not load torch for a number."""
+    try:
+        return int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
+    except Exception:
+        return None
+
+
 def main(args: ServerArgs, addrs: Addresses, conn: Connection) -> None:
     def body(ready) -> None:
         from transformers import AutoTokenizer
-        detok = Detokenizer(AutoTokenizer.from_pretrained(args.resolved_tokenizer_path))
+        detok = Detokenizer(AutoTokenizer.from_pretrained(args.resolved_tokenizer_path),
+                            model_vocab_size(args.model_path))
         ctx = zmq.Context()
         inbox = Inbox(ctx, addrs.detokenizer)
         to_api = Outbox(ctx, addrs.api)
@@ -106,10 +218,12 @@ def main(args: ServerArgs, addrs: Addresses, conn: Connection) -> None:
         while True:
             for batch in inbox.recv(timeout_ms=None):
                 if not isinstance(batch, TokenBatch):
-                    log.error("unexpected message %s", type(batch).__name__)
+                    detok.dropped += 1
+                    log.error("dropped an unexpected %s (%d dropped so far)",
+                              type(batch).__name__, detok.dropped)
                     continue
                 text, release = detok.process(batch)
                 to_api.send(text)       # even when empty: it carries the scheduler's load
                 if release:
                     to_scheduler.send(ReleaseRequest(release))
-    run_child("detokenizer", args.log_level, conn, body)
+    run_child("detokenizer", args.log_level, conn, body, ipc_dir=addrs.ipc_dir)

@@ -1,4 +1,5 @@
-"""Unit tests for detokenizer_proc.incremental (DecodeStream)."""
+"""Unit tests for detokenizer_proc.incremental (DecodeStream) and the process's per-batch
+logic (detokenizer_proc.process.Detokenizer: validation, per-output failures, release)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import PreTrainedTokenizerFast
 
 from detokenizer_proc.incremental import DecodeStream, Delta
+from detokenizer_proc.process import Detokenizer
+from wire.messages import (DecodeParams, FinishReason, Logprobs, SchedulerLoad, TokenBatch,
+                           TokenOutput)
 
 FFFD = "\ufffd"
 
@@ -469,3 +473,126 @@ def test_stop_random_against_reference(tok):
             assert sum(d.num_ids for d in deltas) == ref_k
         for d in deltas:
             assert FFFD not in d.text
+
+
+# ---- Detokenizer: one TokenBatch in, one TextBatch out; bad outputs end only their request --
+
+def out(rid, ids, finish=None, decode=True, **kw) -> TokenOutput:
+    return TokenOutput(rid=rid, new_ids=ids, finish=finish, prompt_tokens=3, cached_tokens=0,
+                       queue_time=0.01, decode=DecodeParams(**kw) if decode else None)
+
+
+def step(detok, *outputs):
+    text, release = detok.process(TokenBatch(list(outputs), SchedulerLoad(seq=7)))
+    assert text.load == SchedulerLoad(seq=7)
+    return {o.rid: o for o in text.outputs}, release
+
+
+LENGTH = FinishReason("length", length=4)
+
+
+def test_detokenizer_happy_path(tok):
+    detok = Detokenizer(tok)
+    ids = enc(tok, "Hello world")
+    outs, release = step(detok, out("a", ids[:1]))
+    outs2, _ = step(detok, out("a", ids[1:], LENGTH, decode=False))
+    assert outs["a"].text + outs2["a"].text == "Hello world" and not release
+    assert outs2["a"].finish == LENGTH and outs2["a"].completion_tokens == len(ids)
+    assert not detok.states
+
+
+@pytest.mark.parametrize("bad", [-1, 400, 10**6, 2**40, 2**63])
+def test_out_of_vocab_id_ends_only_that_request(tok, bad):
+    detok = Detokenizer(tok)
+    ids = enc(tok, "Hello world")
+    step(detok, out("a", ids[:1]), out("b", ids[:1]))
+    outs, release = step(detok, out("a", [ids[1], bad], decode=False),
+                         out("b", ids[1:2], decode=False))
+    err = outs["a"].finish
+    assert err.type == "abort" and err.status_code == 500
+    assert f"token id {bad}, outside the vocabulary [0, {len(tok)})" in err.message
+    assert outs["a"].new_ids == [] and outs["a"].text == ""
+    assert release == ["a"]                       # the scheduler stops running it
+    assert outs["b"].finish is None and outs["b"].new_ids == ids[1:2]
+    assert detok.failed == 1
+    # The scheduler's outputs until its own end are dropped quietly; then the state goes.
+    outs, release = step(detok, out("a", ids[2:3], decode=False),
+                         out("b", ids[2:], LENGTH, decode=False))
+    assert set(outs) == {"b"} and not release
+    outs, _ = step(detok, out("a", [], FinishReason("abort", message="Released"),
+                              decode=False))
+    assert outs == {} and set(detok.states) == set()
+
+
+def test_bad_first_output_of_a_new_rid(tok):
+    detok = Detokenizer(tok)
+    outs, release = step(detok, out("a", [10**6]))
+    assert outs["a"].finish.status_code == 500 and release == ["a"]
+    outs, release = step(detok, out("t", [10**6], LENGTH))      # terminal: nothing to release
+    assert outs["t"].finish.status_code == 500 and not release and "t" not in detok.states
+
+
+def test_ids_of_a_padded_model_vocabulary_decode_to_nothing(tok):
+    """A model's embedding may have rows past the tokenizer's ids (Qwen's padding)."""
+    detok = Detokenizer(tok, model_vocab_size=len(tok) + 64)
+    assert detok.vocab_size == len(tok) + 64
+    outs, release = step(detok, out("a", [len(tok) + 63], LENGTH))
+    assert outs["a"].finish == LENGTH and outs["a"].text == "" and not release
+
+
+def test_unknown_rid_without_decode_params_is_dropped(tok):
+    detok = Detokenizer(tok)
+    outs, release = step(detok, out("ghost", [5], decode=False),
+                         out("ghost2", [10**9], LENGTH, decode=False))
+    assert outs == {} and not release and detok.dropped == 2 and not detok.states
+
+
+@pytest.mark.parametrize("lp", [
+    Logprobs(token_ids=[5], logprobs=[-0.1, -0.2], top_ids=[[]], top_logprobs=[[]]),
+    Logprobs(token_ids=[5], logprobs=[-0.1], top_ids=[[1, 2]], top_logprobs=[[-0.1]]),
+    Logprobs(token_ids=[5], logprobs=[-0.1], top_ids=[[1, 10**6]], top_logprobs=[[-1, -2]]),
+    Logprobs(token_ids=[-3], logprobs=[-0.1], top_ids=[[]], top_logprobs=[[]]),
+])
+def test_inconsistent_logprobs_end_the_request(tok, lp):
+    detok = Detokenizer(tok)
+    o = out("a", [5])
+    o.logprobs = lp
+    outs, release = step(detok, o)
+    assert outs["a"].finish.status_code == 500 and release == ["a"]
+
+
+def test_input_logprobs_and_finish_are_checked(tok):
+    detok = Detokenizer(tok)
+    o = out("a", [5], LENGTH)
+    o.input_logprobs = Logprobs(token_ids=[1, 2], logprobs=[None, -1.0], top_ids=[[], [999]],
+                                top_logprobs=[[], [-1.0]])
+    assert "input_logprobs" in step(detok, o)[0]["a"].finish.message
+    o = out("b", [5], FinishReason("exploded"))
+    assert "unknown finish type" in step(detok, o)[0]["b"].finish.message
+    o = out("c", [5])
+    o.queue_time = float("nan")
+    assert step(detok, o)[0]["c"].finish.status_code == 500
+
+
+def test_decode_params_beyond_the_api_limits_end_the_request(tok):
+    detok = Detokenizer(tok)
+    outs, release = step(detok, out("a", [5], stop=["ab" * 200]),
+                         out("b", [5], stop=["x"] * 33), out("c", [5], stop=["x"] * 32))
+    assert outs["a"].finish.status_code == 500 and outs["b"].finish.status_code == 500
+    assert outs["c"].finish is None and release == ["a", "b"]
+
+
+def test_a_decoding_bug_ends_only_that_request(tok, monkeypatch, caplog):
+    detok = Detokenizer(tok)
+    step(detok, out("a", [5]), out("b", [5]))
+
+    def broken(self, ids, finished):
+        raise RuntimeError("decoder bug")
+    monkeypatch.setattr(DecodeStream, "push", broken)      # slots: patch the class
+    outs, release = step(detok, out("a", [6], decode=False))
+    monkeypatch.undo()
+    assert outs["a"].finish.status_code == 500 and release == ["a"]
+    assert "Internal error in the detokenizer (RuntimeError)" in outs["a"].finish.message
+    assert "decoder bug" in caplog.text and "Traceback" in caplog.text
+    outs, _ = step(detok, out("b", [6], LENGTH, decode=False))
+    assert outs["b"].finish == LENGTH

@@ -1,8 +1,9 @@
 """Typed ZeroMQ endpoints: an Inbox (PULL, bound by its owner) and an Outbox (PUSH, connects).
 
-Receivers never see raw frames: a frame that fails to decode is logged and counted in
-`Inbox.bad_frames`, then skipped. High-water marks are unlimited so a slow consumer applies
-back-pressure through memory rather than by dropping or blocking a step.
+Receivers never see raw frames: a frame that fails to decode (or that the codec fails on in
+any other way) is logged and counted in `Inbox.bad_frames`, then skipped; a peer sending
+garbage costs a log line, never the receiving process. High-water marks are unlimited so a
+slow consumer applies back-pressure through memory rather than by dropping or blocking a step.
 """
 
 from __future__ import annotations
@@ -39,7 +40,11 @@ class _PullSocket:
         except DecodeError as e:
             self.bad_frames += 1
             log.error("dropped a bad frame (%d so far): %s", self.bad_frames, e)
-            return None
+        except Exception:   # a codec bug must not take the process down either
+            self.bad_frames += 1
+            log.exception("dropped a frame the codec failed on (%d bad so far)",
+                          self.bad_frames)
+        return None
 
 
 class Inbox(_PullSocket):
