@@ -47,17 +47,22 @@ def build_app(args: ServerArgs, dispatcher: Dispatcher, scheduler_info: dict) ->
                              "tokenizer_path": args.resolved_tokenizer_path,
                              "is_generation": True})
 
+    secrets = ("api_key", "admin_api_key")
+    public_args = {k: ("<set>" if k in secrets and v is not None else v)
+                   for k, v in dataclasses.asdict(args).items()}
+
     async def server_info(_: Request) -> Response:
         load = dispatcher.load
         return JSONResponse({
-            **dataclasses.asdict(args), **scheduler_info, "version": VERSION,
+            **public_args, **scheduler_info, "version": VERSION,
             "requests_in_flight": len(dispatcher.states),
             "running_requests": load.running, "queued_requests": load.queued,
             "kv_pool": {"total": load.kv_total, "free": load.kv_free,
                         "evictable": load.kv_evictable},
             "prompt_tokens_total": load.prompt_tokens_total,
             "generated_tokens_total": load.generated_tokens_total,
-            "retracted_total": load.retracted_total})
+            "retracted_total": load.retracted_total,
+            "rejected_total": load.rejected_total})
 
     async def abort_request(request: Request) -> Response:
         """By rid prefix, as SGLang; without admin rights (keys set, not the admin key) only
@@ -93,7 +98,9 @@ def build_app(args: ServerArgs, dispatcher: Dispatcher, scheduler_info: dict) ->
             reply = await dispatcher.flush_cache()
         except asyncio.TimeoutError:
             return error_response("The scheduler did not answer in time.", 503)
-        return JSONResponse({"message": reply.message}, status_code=200 if reply.ok else 400)
+        if not reply.ok:
+            return error_response(reply.message, 400)
+        return JSONResponse({"message": reply.message})
 
     async def health_generate(_: Request) -> Response:
         """One greedy token for token id 0 through tokenizer, scheduler and detokenizer."""

@@ -234,6 +234,7 @@ class Dispatcher:
                         "abort", status_code=503, message=f"The request timed out after "
                         f"{self.admission.timeout:g} s (--request-timeout)."))
             self.to_tokenizer.send_frame(frame)
+            log.debug("request %r runs as %s", req.rid, wire.rid)   # to match child logs
             states.append(state)
         return states
 

@@ -50,15 +50,21 @@ class KVManager:
         self.table.write(req.row, len(req.slots), slots)
         req.slots += slots
 
-    def release(self, req: Req) -> None:
+    def release(self, req: Req, valid: int | None = None) -> None:
         """Give back everything req holds. With the cache, its computed tokens are inserted
         into the tree (so a finished or retracted request's KV can be reused) and only the
-        slots that duplicate what the tree already had are freed."""
+        slots that duplicate what the tree already had are freed. `valid`: only positions
+        0..valid-1 hold trustworthy KV (a failed step's positions do not); the slots of the
+        rest are freed, never cached. It is never below req.prefix_len (the tree's own)."""
+        n = len(req.slots) if valid is None else valid
+        if not req.prefix_len <= n <= len(req.slots):
+            raise RuntimeError(f"release of {req.rid}: {n} valid positions outside "
+                               f"[{req.prefix_len}, {len(req.slots)}]")
         if self.cache is None:
             self.pool.free(req.slots)
         else:
-            have = self.cache.insert(req.token_ids(0, len(req.slots)), req.slots)
-            self.pool.free(req.slots[req.prefix_len:have])
+            have = self.cache.insert(req.token_ids(0, n), req.slots[:n])
+            self.pool.free(req.slots[req.prefix_len:have] + req.slots[n:])
             self.cache.unlock(req.prefix_node)
         self.table.free(req.row)
         req.row, req.slots, req.prefix_node, req.prefix_len = None, [], None, 0

@@ -1,7 +1,20 @@
-"""Entry point of the scheduler process."""
+"""Entry point of the scheduler process: the only scheduler code that knows its sockets. It
+feeds the Scheduler core what the inbox receives, and guards it with a watchdog.
+
+Watchdog (--watchdog-timeout S): while the scheduler has work, a step that does not end
+within S seconds takes the process down with a stack dump of every thread on stderr (the
+server log) and exit status 1; the launcher then shuts the whole server down. It is
+faulthandler's C thread, so a stuck step holding the GIL cannot stop it. It is cancelled
+before the loop blocks idle (no timer thread, no CPU use), and re-armed at most every
+REARM_INTERVAL seconds while busy (arming starts a thread, ~30 us): it fires between S and
+S + REARM_INTERVAL seconds after the last step began.
+"""
 
 from __future__ import annotations
 
+import faulthandler
+import sys
+import time
 from multiprocessing.connection import Connection
 
 import zmq
@@ -9,14 +22,56 @@ import zmq
 from wire.addresses import Addresses
 from wire.proc import run_child
 from wire.server_args import ServerArgs
+from wire.sockets import Inbox, Outbox
+
+REARM_INTERVAL = 1.0    # seconds
+LONGEST_TIMER = 1e9     # seconds (~30 years): faulthandler refuses more than time_t holds
+
+
+class Watchdog:
+    """`progress()` before each step while busy; `pause()` before blocking idle."""
+
+    def __init__(self, timeout: float):
+        if not timeout > 0:
+            raise ValueError(f"--watchdog-timeout must be positive, got {timeout}")
+        self.timer = min(timeout + REARM_INTERVAL, LONGEST_TIMER)
+        self.armed_at: float | None = None
+
+    def progress(self) -> None:
+        now = time.monotonic()
+        if self.armed_at is None or now - self.armed_at >= REARM_INTERVAL:
+            faulthandler.dump_traceback_later(self.timer, exit=True, file=sys.stderr)
+            self.armed_at = now
+
+    def pause(self) -> None:
+        if self.armed_at is not None:
+            faulthandler.cancel_dump_traceback_later()
+            self.armed_at = None
+
+
+def serve(scheduler, inbox: Inbox, watchdog: Watchdog) -> None:
+    """The loop: block for messages only when idle, then one step."""
+    while True:
+        idle = scheduler.idle
+        if idle:
+            watchdog.pause()
+        msgs = inbox.recv(timeout_ms=None if idle else 0)
+        watchdog.progress()
+        scheduler.step(msgs)
 
 
 def main(args: ServerArgs, addrs: Addresses, conn: Connection) -> None:
     def body(ready) -> None:
-        from scheduler_proc.scheduler import Scheduler   # imports torch: after the title is set
-        scheduler = Scheduler(args, addrs, zmq.Context())
-        r = scheduler.runner
-        ready({"max_total_tokens": r.pool_size, "context_length": r.context_len,
-               "dtype": str(r.dtype).removeprefix("torch."), "device": str(r.device)})
-        scheduler.run_forever()
-    run_child("scheduler", args.log_level, conn, body)
+        # These import torch: after run_child has set the process title.
+        from scheduler_proc.runner import ModelRunner
+        from scheduler_proc.scheduler import Scheduler
+        runner = ModelRunner(args)
+        ctx = zmq.Context()
+        inbox = Inbox(ctx, addrs.scheduler)
+        outbox, to_api = Outbox(ctx, addrs.detokenizer), Outbox(ctx, addrs.api)
+        scheduler = Scheduler(args, runner, outbox.send, to_api.send)
+        watchdog = Watchdog(args.watchdog_timeout)
+        ready({"max_total_tokens": runner.pool_size, "context_length": runner.context_len,
+               "dtype": str(runner.dtype).removeprefix("torch."), "device": str(runner.device)})
+        serve(scheduler, inbox, watchdog)
+    run_child("scheduler", args.log_level, conn, body, ipc_dir=addrs.ipc_dir)

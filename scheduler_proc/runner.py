@@ -3,6 +3,13 @@
 `forward(segments)` takes the step's segments (which request, which positions), runs one
 model call over the whole ragged batch, computes logits only for the rows that sample, and
 returns one sampled token id per sampling segment. It never decides what to run.
+
+Faults: an exception from the model call propagates (the scheduler ends the step's
+requests). Sampling is isolated per request: if sampling the batch raises, each row is
+sampled again alone (seeded generators rewound first), and a row that fails alone gets the
+exception in place of its token. A CUDA error other than out-of-memory is sticky (the
+context, weights and KV included, can no longer be trusted), so `leaves_device_unknown`
+marks it for the scheduler to take the process down.
 """
 
 from __future__ import annotations
@@ -35,6 +42,15 @@ class Segment:
     start: int
     length: int
     sample: bool
+
+
+def leaves_device_unknown(exc: BaseException) -> bool:
+    """True for errors after which the model state cannot be trusted: a CUDA error other
+    than out-of-memory poisons the whole context."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return False
+    return (isinstance(exc, getattr(torch, "AcceleratorError", ())) or
+            "CUDA error" in str(exc))
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -78,8 +94,9 @@ class ModelRunner:
         return max(1, min(budget // per_token, args.max_running_requests * self.context_len))
 
     @torch.inference_mode()
-    def forward(self, segments: list[Segment]) -> list[int]:
-        """Run one step and return one sampled id per sampling segment, in segment order.
+    def forward(self, segments: list[Segment]) -> list[int | Exception]:
+        """Run one step and return one sampled id per sampling segment, in segment order,
+        or the exception that stopped that row's sampling (see the module docstring).
         Decode segments (length 1) must come first; slots for this step's tokens must
         already be in each req.slots / the request table. Logprobs, when requested, are
         appended to req.pending_logprobs / req.input_logprobs."""
@@ -115,16 +132,49 @@ class ModelRunner:
         if not sample_rows:
             return []
         logits = self.model.compute_logits(hidden[sample_rows])
-        reqs = [s.req for s in segments if s.sample]
-        next_ids = sample_tokens(logits, reqs, self.eos_ids)
-        for i, req in enumerate(reqs):
-            if req.logprob is not None:
-                req.pending_logprobs = token_logprobs(logits[i:i + 1], [next_ids[i]],
-                                                      req.logprob.top_logprobs_num)
-        return next_ids
+        return sample_isolated(logits, [s.req for s in segments if s.sample], self.eos_ids)
 
     def _score_prompt(self, req: Req, hidden: torch.Tensor, targets: list[int]) -> None:
         """Input logprobs: row j's logits score the prompt token that follows it."""
         lp = token_logprobs(self.model.compute_logits(hidden), targets,
                             req.logprob.top_logprobs_num)
         req.input_logprobs.extend(lp)
+
+
+def sample_isolated(logits: torch.Tensor, reqs: list[Req],
+                    eos_ids: list[int]) -> list[int | Exception]:
+    """Sample one token per row (with its logprobs, when requested) for the whole batch; if
+    that raises, sample each row alone, so one request's failure is only its own. Each
+    failure's traceback is logged once."""
+    states = [None if r.generator is None else r.generator.get_state() for r in reqs]
+    try:
+        return _sample(logits, reqs, eos_ids)
+    except Exception as e:
+        if leaves_device_unknown(e):
+            raise
+        batch_error = e
+    for req, state in zip(reqs, states):      # rewind: a row's draw must not depend on
+        if state is not None:                 # how far the failed batch attempt got
+            req.generator.set_state(state)
+    out: list[int | Exception] = []
+    for i, req in enumerate(reqs):
+        try:
+            out += _sample(logits[i:i + 1], [req], eos_ids)
+        except Exception as e:
+            if leaves_device_unknown(e):
+                raise
+            log.error("sampling failed for request %s", req.rid, exc_info=e)
+            out.append(e)
+    if all(isinstance(t, int) for t in out):
+        log.error("sampling the batch failed, but every row alone succeeded",
+                  exc_info=batch_error)
+    return out
+
+
+def _sample(logits: torch.Tensor, reqs: list[Req], eos_ids: list[int]) -> list[int]:
+    next_ids = sample_tokens(logits, reqs, eos_ids)
+    for i, req in enumerate(reqs):
+        if req.logprob is not None:
+            req.pending_logprobs = token_logprobs(logits[i:i + 1], [next_ids[i]],
+                                                  req.logprob.top_logprobs_num)
+    return next_ids

@@ -15,6 +15,23 @@ fallback instead takes top-p on the un-renormalized distribution.
 
 A row with a generator (a request with sampling_seed) is drawn with it, from its filtered
 distribution in vocabulary order, so its token does not depend on the rest of the batch.
+
+Sampling is total: whatever values a row holds, it yields a token and nothing raises.
+Extreme valid values behave as their limits: temperatures are capped at the float32
+maximum (a huge one draws uniformly over the allowed tokens), top-p never drops the most
+likely token (a tiny one is greedy), logit_bias is clamped to +-100, and ban or stop ids
+outside the vocabulary are ignored. A row that still cannot be drawn from takes its
+*fallback token*. That is a row whose processed logits (after penalties, logit_bias and the
+min_new_tokens ban) hold a NaN or nothing above -inf (every token banned), or whose filtered
+probabilities are not finite (an overflow to inf, e.g. a huge repetition boost). Its
+fallback token is:
+  1. the argmax of the processed logits, NaN counted as -inf, if any token there is above
+     -inf (an overflowed +inf logit wins, the limit of its distribution); else
+  2. the argmax of the raw model logits, NaN counted as -inf: a min_new_tokens ban yields
+     when it would ban every token; else
+  3. token 0 (the model produced no usable logit at all).
+Greedy rows follow the same rule. A seeded row that falls back still advances its generator
+(one draw), so its later steps stay reproducible.
 """
 
 from dataclasses import dataclass
@@ -22,10 +39,11 @@ from dataclasses import dataclass
 import torch
 
 from wire.messages import Logprobs
-from wire.sampling import SamplingParams
+from wire.sampling import FLOAT32_MAX, SamplingParams
 
 
 LOGIT_BIAS_LIMIT = 100.0
+NEG_INF, INF = float("-inf"), float("inf")
 
 
 @dataclass(slots=True)
@@ -54,7 +72,7 @@ class SamplingBatch:
         greedy = [p.is_greedy for p in params]
         temps, top_ps, top_ks, min_ps = [], [], [], []
         for p, g in zip(params, greedy):
-            temps.append(1.0 if g else p.temperature)
+            temps.append(1.0 if g else min(p.temperature, FLOAT32_MAX))   # not inf
             top_ps.append(1.0 if g else p.top_p)
             top_ks.append(vocab_size if g or p.top_k < 1 else min(p.top_k, vocab_size))
             min_ps.append(0.0 if g else p.min_p)
@@ -131,21 +149,50 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch,
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch,
-           generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
-    """One token per row: LongTensor [B]. `generators[i]`, when not None, draws row i."""
+           generators: list[torch.Generator | None] | None = None,
+           raw_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row: LongTensor [B]. `generators[i]`, when not None, draws row i.
+    Total: a row that cannot be drawn from gets its fallback token (module docstring);
+    `raw_logits` are the model's logits before penalties and bans, for that fallback."""
     logits = logits.float()
-    greedy_ids = logits.argmax(dim=-1)
+    best, greedy_ids = logits.max(dim=-1)
+    stuck = ~(best > NEG_INF)                 # a NaN in the row, or no allowed token
     if batch.all_greedy:
+        if bool(stuck.any()):
+            greedy_ids = torch.where(stuck, fallback_ids(logits, raw_logits), greedy_ids)
         return greedy_ids
 
     probs = torch.softmax(logits / batch.temperatures, dim=-1)
     probs = _filter(probs, batch)
-    probs = probs / probs.sum(dim=-1, keepdim=True)
+    total = probs.sum(dim=-1, keepdim=True)
+    probs = probs / total
+    total = total.view(-1)
+    stuck |= ~batch.is_greedy & ~((total > 0) & (total < INF))      # NaN fails both
+    fallback = None
+    if bool(stuck.any()):                     # give stuck rows a one-hot distribution
+        fallback = fallback_ids(logits, raw_logits)
+        rows = stuck.nonzero().view(-1)
+        probs[rows] = 0.0
+        probs[rows, fallback[rows]] = 1.0
     sampled = torch.multinomial(probs, num_samples=1).view(-1)
     for i, gen in enumerate(generators or ()):
         if gen is not None:
             sampled[i] = torch.multinomial(probs[i], num_samples=1, generator=gen)[0]
-    return torch.where(batch.is_greedy, greedy_ids, sampled)
+    ids = torch.where(batch.is_greedy, greedy_ids, sampled)
+    if fallback is not None:
+        ids = torch.where(stuck, fallback, ids)
+    return ids
+
+
+def fallback_ids(logits: torch.Tensor, raw_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's fallback token (module docstring): the argmax of `logits` with NaN counted
+    as -inf where some token is above -inf, else the same over `raw_logits`, else 0 (argmax
+    returns the first of equal values)."""
+    best, ids = logits.float().nan_to_num(NEG_INF, INF, NEG_INF).max(dim=-1)
+    if raw_logits is not None:
+        raw_ids = raw_logits.float().nan_to_num(NEG_INF, INF, NEG_INF).argmax(dim=-1)
+        ids = torch.where(best > NEG_INF, ids, raw_ids)
+    return ids
 
 
 def _filter(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -168,6 +215,7 @@ def _filter(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         before = cum - sorted_p
         limit = batch.top_ps.view(-1, 1) * cum[:, -1:]
         drop = (before >= limit) & (batch.top_ps.view(-1, 1) < 1.0)
+        drop[:, 0] = False                    # even if top_p * mass rounds to 0
         sorted_p = sorted_p.masked_fill(drop, 0.0)
     if batch.need_min_p:            # column 0 is the max, which top-k and top-p always keep
         sorted_p = sorted_p.masked_fill(sorted_p < min_ps * sorted_p[:, :1], 0.0)
@@ -191,8 +239,10 @@ def sample_tokens(logits: torch.Tensor, reqs, eos_ids: list[int]) -> list[int]:
     tokens that would stop a request are banned until it has its minimum), then `sample`.
     `reqs` are the scheduler's requests (sampling, output_ids, generator). `logits` is left
     untouched (logprobs are reported from the raw distribution)."""
+    raw = logits
+    vocab_size = logits.shape[-1]
     params = [r.sampling for r in reqs]
-    batch = SamplingBatch.from_params(params, logits.shape[-1], logits.device)
+    batch = SamplingBatch.from_params(params, vocab_size, logits.device)
     if batch.need_penalties:
         counts = None
         if (batch.frequency_penalties is not None or batch.presence_penalties is not None
@@ -203,12 +253,13 @@ def sample_tokens(logits: torch.Tensor, reqs, eos_ids: list[int]) -> list[int]:
     banned = [(i, t) for i, r in enumerate(reqs)
               if len(r.output_ids) < r.sampling.min_new_tokens
               for t in (*([] if r.sampling.ignore_eos else eos_ids),
-                        *r.sampling.stop_token_ids)]
+                        *r.sampling.stop_token_ids)
+              if 0 <= t < vocab_size]           # verified upstream; never index past V
     if banned:
         rows, ids = zip(*banned)
         logits = logits.clone()
-        logits[list(rows), list(ids)] = float("-inf")
-    return sample(logits, batch, [r.generator for r in reqs]).tolist()
+        logits[list(rows), list(ids)] = NEG_INF
+    return sample(logits, batch, [r.generator for r in reqs], raw_logits=raw).tolist()
 
 
 def token_logprobs(logits: torch.Tensor, targets: list[int], top_n: int) -> Logprobs:

@@ -1,5 +1,6 @@
-"""The scheduler loop: admits requests, picks each step's segments, runs the model, and
-emits one TokenBatch per step.
+"""The scheduler core: admits requests, picks each step's segments, runs the model, and
+emits one TokenBatch per step. It knows no sockets: process.py feeds it the messages it
+receives (`step`) and sends what it emits (the `send` and `reply` callables).
 
 A step is a mixed batch: every running request that has finished its prompt decodes one
 token, and up to --chunked-prefill-size prompt tokens are prefilled alongside, so a long
@@ -10,86 +11,156 @@ running request's remaining tokens (`new_token_ratio` of them). When a step cann
 slots it needs, the most recently admitted requests are retracted to the front of the queue
 (their KV goes into the prefix cache, their outputs so far are kept) and the estimate is
 raised. Invariant: every accepted request gets exactly one terminal output.
+
+Trust: anyone who can reach the scheduler's socket can forge a TokenizedRequest, so each is
+checked against what the scheduler knows (`check`: vocabulary, context length, KV pool,
+SamplingParams.verify, logprob ranges). A failing one is dropped, counted (rejected_total),
+logged and answered with a terminal abort, status 400. A request with an empty rid or a rid
+already in flight is dropped, counted and logged without an answer: that rid's output
+stream belongs to the request already running. Aborts, releases and flushes with unknown or
+odd values are no-ops.
+
+Faults are isolated per request: a request whose sampling fails (runner.sample_isolated)
+is ended with an abort, status 500; a model forward that raises ends that step's requests
+the same way. A request ended by a fault offers the prefix cache only the positions
+computed before the failed step. Anything else that raises (the bookkeeping itself: KV
+pool, radix tree, request table) leaves the state unknown and ends the process, as does a
+CUDA error other than out-of-memory (runner.leaves_device_unknown).
+
+Overload (--max-queued-requests N): of the requests that arrived with a step's messages,
+those still waiting after the step's admission while more than N wait are ended with an
+abort, status 503, newest first. Requests retracted to the queue are never dropped.
+
+Test only: the environment variable ZSERVE_TEST_STALL_AFTER_STEPS=N makes the scheduler
+sleep forever inside its (N+1)-th model step, to test the watchdog (process.py). Never set
+it outside tests.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections import deque
-
-import zmq
+from dataclasses import replace
+from typing import Callable
 
 from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.request import Req
-from scheduler_proc.runner import ModelRunner, Segment
-from wire.addresses import Addresses
-from wire.messages import (AbortRequest, ControlReply, FinishReason, FlushCacheRequest,
-                           ReleaseRequest, SchedulerLoad, TokenBatch, TokenizedRequest,
-                           TokenOutput)
+from scheduler_proc.runner import Segment, leaves_device_unknown
+from wire.messages import (MAX_TOP_LOGPROBS, AbortRequest, ControlReply, DecodeParams,
+                           FinishReason, FlushCacheRequest, ReleaseRequest, SchedulerLoad,
+                           TokenBatch, TokenizedRequest, TokenOutput)
 from wire.server_args import ServerArgs
-from wire.sockets import Inbox, Outbox
 
 log = logging.getLogger(__name__)
 
 EARLY_ABORT_TTL = 30.0      # seconds to remember an abort that overtook its request
+MAX_EARLY_ABORTS = 100_000  # remembered at most (oldest forgotten first): forged aborts
 INIT_NEW_TOKEN_RATIO = 0.7  # share of a request's remaining max_new_tokens reserved for it
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600   # per step
 HELD_OUTPUT_INTERVAL = 50   # tokens a non-streaming request's output may wait (see emit)
+STALL_ENV = "ZSERVE_TEST_STALL_AFTER_STEPS"
+LOG_RID_CHARS = 80          # a forged rid can be megabytes long: log only its start
+
+# Until wire/messages.py's SchedulerLoad has a rejected_total field, it is only logged.
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, addrs: Addresses, ctx: zmq.Context):
+    def __init__(self, args: ServerArgs, runner, send: Callable[[TokenBatch], None],
+                 reply: Callable[[ControlReply], None]):
+        """`runner` is a ModelRunner (or a test's stand-in with the same attributes);
+        `send` takes each step's TokenBatch, `reply` each ControlReply."""
         self.args = args
-        self.runner = ModelRunner(args)
-        self.kv = KVManager(self.runner.pool, self.runner.req_to_token,
+        self.runner = runner
+        self.send, self.reply = send, reply
+        self.kv = KVManager(runner.pool, runner.req_to_token,
                             use_cache=not args.disable_radix_cache)
-        self.eos_ids = set(self.runner.config.eos_token_ids)
-        self.inbox = Inbox(ctx, addrs.scheduler)
-        self.outbox = Outbox(ctx, addrs.detokenizer)
-        self.to_api = Outbox(ctx, addrs.api)
+        self.eos_ids = set(runner.config.eos_token_ids)
+        self.vocab_size = runner.config.vocab_size
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []              # in admission order
+        self.in_flight: dict[str, Req] = {}       # rid -> its Req, waiting or running
+        self.arrivals: list[Req] = []             # accepted from this step's messages
         self.outputs: list[TokenOutput] = []      # sent with the next TokenBatch
-        self.early_aborts: dict[str, float] = {}  # rid -> when its abort arrived
+        self.early_aborts: dict[str, float] = {}  # rid -> when its abort arrived (in order)
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.seq = 0
+        self.steps = 0                            # model steps run
+        self.stall_after = int(os.environ[STALL_ENV]) if os.environ.get(STALL_ENV) else None
         self.prompt_tokens_total = 0
         self.generated_tokens_total = 0
         self.retracted_total = 0
+        self.rejected_total = 0
 
-    # ---- the loop -----------------------------------------------------------------------
+    # ---- the step -----------------------------------------------------------------------
 
-    def run_forever(self) -> None:
-        while True:
-            idle = not (self.waiting or self.running)
-            for msg in self.inbox.recv(timeout_ms=None if idle else 0):
-                self.handle(msg)
-            segments = self.schedule()
-            if segments:
-                self.finish_step(segments, self.runner.forward(segments))
-            if self.outputs:
-                self.outbox.send(TokenBatch(self.outputs, self.load()))
-                self.outputs = []
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.running)
+
+    def step(self, msgs: list) -> None:
+        """Handle the messages received since the last step, run one model step if there is
+        work, and send the step's outputs."""
+        for msg in msgs:
+            self.handle(msg)
+        segments = self.schedule()
+        self.limit_queue()
+        if segments:
+            self.run(segments)
+        if self.outputs:
+            self.send(TokenBatch(self.outputs, self.load()))
+            self.outputs = []
+
+    def run(self, segments: list[Segment]) -> None:
+        self.steps += 1
+        if self.stall_after is not None and self.steps > self.stall_after:
+            log.warning("%s=%d: stalling inside step %d (test only)", STALL_ENV,
+                        self.stall_after, self.steps)
+            while True:
+                time.sleep(3600)
+        try:
+            next_ids = self.runner.forward(segments)
+        except Exception as e:
+            if leaves_device_unknown(e):
+                raise
+            self.fail_step(segments, e)
+            return
+        self.finish_step(segments, next_ids)
 
     # ---- inbox --------------------------------------------------------------------------
 
     def handle(self, msg) -> None:
         if isinstance(msg, TokenizedRequest):
-            self.add(Req(msg, self.runner.device))
+            self.add(msg)
         elif isinstance(msg, AbortRequest):
             self.abort(msg)
         elif isinstance(msg, ReleaseRequest):
-            for req in self._find(lambda r: r.rid in msg.rids):
-                self.finish(req, FinishReason("abort", message="Released by the detokenizer."))
+            for rid in dict.fromkeys(msg.rids):
+                if (req := self.in_flight.get(rid)) is not None:
+                    self.finish(req, FinishReason("abort",
+                                                  message="Released by the detokenizer."))
         elif isinstance(msg, FlushCacheRequest):
             self.flush_cache(msg.req_id)
         else:
             log.error("unexpected message %s", type(msg).__name__)
 
-    def add(self, req: Req) -> None:
+    def add(self, msg: TokenizedRequest) -> None:
+        if not msg.rid or msg.rid in self.in_flight:
+            self.rejected_total += 1
+            log.warning("dropped a request with %s rid %r (%d rejected so far)",
+                        "a duplicate" if msg.rid else "an empty", msg.rid[:LOG_RID_CHARS],
+                        self.rejected_total)
+            return
+        problem = self.check(msg)
+        if problem is not None:
+            self.reject(msg, problem)
+            return
+        if msg.fit_context:
+            self.fit_pool(msg)
+        req = Req(msg, self.runner.device)
         self._expire_early_aborts()
         if self.early_aborts.pop(req.rid, None) is not None:
             self.finish(req, FinishReason("abort", message="Aborted by the client."))
@@ -101,20 +172,89 @@ class Scheduler:
                         f"max_new_tokens) but the pool has {self.runner.pool_size}."))
         else:
             self.waiting.append(req)
+            self.in_flight[req.rid] = req
+            self.arrivals.append(req)
+
+    def check(self, msg: TokenizedRequest) -> str | None:
+        """Why msg cannot run here (a client-facing message), or None. Repeats what the
+        API and the tokenizer check, against what only the scheduler knows for sure."""
+        ids, s, lp = msg.input_ids, msg.sampling, msg.logprob
+        vocab, context = self.vocab_size, self.runner.context_len
+        if not ids:
+            return "The input is empty."
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            return f"Token id {bad} in input_ids is outside the vocabulary [0, {vocab})."
+        if len(ids) >= context:
+            return (f"The input ({len(ids)} tokens) is longer than the model's context "
+                    f"length ({context} tokens).")
+        try:
+            s.verify(vocab)
+        except ValueError as e:
+            return str(e)
+        if len(ids) + s.max_new_tokens >= context:
+            return (f"Requested token count exceeds the model's maximum context length of "
+                    f"{context} tokens: {len(ids)} input tokens plus max_new_tokens "
+                    f"{s.max_new_tokens}.")
+        if lp is not None and not 0 <= lp.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            return (f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got "
+                    f"{lp.top_logprobs_num}.")
+        if lp is not None and lp.start_len < -1:
+            return f"logprob_start_len must be at least -1, got {lp.start_len}."
+        return None
+
+    def reject(self, msg: TokenizedRequest, message: str) -> None:
+        """End a request that failed `check` before it became a Req: its one terminal
+        output, with status 400."""
+        self.rejected_total += 1
+        log.warning("rejected request %r (%d rejected so far): %s",
+                    msg.rid[:LOG_RID_CHARS], self.rejected_total, message)
+        self.outputs.append(TokenOutput(
+            rid=msg.rid, new_ids=[], prompt_tokens=len(msg.input_ids), cached_tokens=0,
+            finish=FinishReason("abort", message=message, status_code=400),
+            queue_time=None, decode=DecodeParams()))
+
+    def fit_pool(self, msg: TokenizedRequest) -> None:
+        """max_new_tokens was a default (chat without max_tokens): lower it, and
+        min_new_tokens with it, to what the KV pool can hold next to the prompt. A prompt
+        that cannot fit alone is left for `add` to refuse."""
+        s, n, pool = msg.sampling, len(msg.input_ids), self.runner.pool_size
+        room = pool - n + 1              # max_total_tokens = n + max_new_tokens - 1
+        if s.max_new_tokens > room >= 1:
+            msg.sampling = replace(s, max_new_tokens=room,
+                                   min_new_tokens=min(s.min_new_tokens, room))
+
+    def limit_queue(self) -> None:
+        """--max-queued-requests: see the module docstring."""
+        arrivals, self.arrivals = self.arrivals, []
+        limit = self.args.max_queued_requests
+        if limit is None or len(self.waiting) <= limit:
+            return
+        fresh = {id(r) for r in arrivals}
+        while len(self.waiting) > limit and id(self.waiting[-1]) in fresh:
+            self.finish(self.waiting[-1], FinishReason(
+                "abort", status_code=503,
+                message=f"The request queue is full ({limit} requests waiting); try again "
+                        f"later."))
 
     def abort(self, msg: AbortRequest) -> None:
-        found = self._find(lambda r: msg.abort_all or r.rid == msg.rid)
+        if msg.abort_all:
+            found = list(self.in_flight.values())
+        else:
+            found = [r] if (r := self.in_flight.get(msg.rid)) is not None else []
         for req in found:
             self.finish(req, FinishReason("abort", message=msg.message))
         if not found and not msg.abort_all:
+            self.early_aborts.pop(msg.rid, None)      # re-inserted last: kept in time order
             self.early_aborts[msg.rid] = time.monotonic()
-
-    def _find(self, pred) -> list[Req]:
-        return [r for r in (*self.running, *self.waiting) if pred(r)]
+            self._expire_early_aborts()
 
     def _expire_early_aborts(self) -> None:
         now = time.monotonic()
-        for rid in [r for r, t in self.early_aborts.items() if now - t > EARLY_ABORT_TTL]:
+        while self.early_aborts:
+            rid, t = next(iter(self.early_aborts.items()))
+            if now - t <= EARLY_ABORT_TTL and len(self.early_aborts) <= MAX_EARLY_ABORTS:
+                return
             del self.early_aborts[rid]
 
     # ---- scheduling ---------------------------------------------------------------------
@@ -196,20 +336,38 @@ class Scheduler:
 
     # ---- results ------------------------------------------------------------------------
 
-    def finish_step(self, segments: list[Segment], next_ids: list[int]) -> None:
+    def finish_step(self, segments: list[Segment], next_ids: list[int | Exception]) -> None:
         for seg in segments:        # prefill-only requests end once their prompt is cached
             req = seg.req
             if req.sampling.max_new_tokens == 0 and req.num_computed == req.seq_len:
                 self.finish(req, FinishReason("length", length=0))
-        sampled = [s.req for s in segments if s.sample]
-        self.generated_tokens_total += len(next_ids)
-        for req, token in zip(sampled, next_ids):
+        for seg, token in zip([s for s in segments if s.sample], next_ids):
+            req = seg.req
+            if isinstance(token, Exception):      # logged by the runner
+                self.finish(req, FinishReason(
+                    "abort", status_code=500,
+                    message=f"Internal error while sampling this request: "
+                            f"{type(token).__name__}: {token}"), valid=seg.start)
+                continue
+            self.generated_tokens_total += 1
             req.output_ids.append(token)
             reason = self.check_finished(req, token)
             if reason is not None:
                 self.finish(req, reason, new_ids=[token])
             else:
                 self.emit(req, [token], None)
+
+    def fail_step(self, segments: list[Segment], error: Exception) -> None:
+        """The model forward raised: end every request of the step with an error. The KV of
+        the step's positions may be half written, so it is freed, never cached."""
+        log.error("the model forward failed; ending the step's %d requests (%s)",
+                  len(segments), ", ".join(s.req.rid[:LOG_RID_CHARS] for s in segments),
+                  exc_info=error)
+        message = (f"Internal error in the model forward: {type(error).__name__}: "
+                   f"{error}")
+        for seg in segments:
+            self.finish(seg.req, FinishReason("abort", status_code=500, message=message),
+                        valid=seg.start)
 
     def check_finished(self, req: Req, token: int) -> FinishReason | None:
         s = req.sampling
@@ -220,13 +378,17 @@ class Scheduler:
                 return FinishReason("stop", matched_token=token)
         return None
 
-    def finish(self, req: Req, reason: FinishReason, new_ids: list[int] | None = None) -> None:
-        """End a request wherever it is and free what it holds."""
+    def finish(self, req: Req, reason: FinishReason, new_ids: list[int] | None = None,
+               valid: int | None = None) -> None:
+        """End a request wherever it is and free what it holds. `valid`: see
+        KVManager.release (positions whose KV may be cached)."""
         if req.row is not None:
-            self.kv.release(req)
+            self.kv.release(req, valid)
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if self.in_flight.get(req.rid) is req:
+            del self.in_flight[req.rid]
         req.finish = reason
         self.emit(req, new_ids or [], reason)
 
@@ -260,7 +422,7 @@ class Scheduler:
         else:
             self.kv.flush()
             ok, message = True, "Cache flushed."
-        self.to_api.send(ControlReply(req_id, ok, message, self.load()))
+        self.reply(ControlReply(req_id, ok, message, self.load()))
 
     def load(self) -> SchedulerLoad:
         pool = self.runner.pool
@@ -270,4 +432,5 @@ class Scheduler:
                              kv_evictable=self.kv.evictable,
                              prompt_tokens_total=self.prompt_tokens_total,
                              generated_tokens_total=self.generated_tokens_total,
-                             retracted_total=self.retracted_total)
+                             retracted_total=self.retracted_total,
+                             rejected_total=self.rejected_total)

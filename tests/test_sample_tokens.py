@@ -6,9 +6,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 
-from scheduler_proc.sampler import sample_tokens, token_logprobs
+from scheduler_proc.sampler import sample_tokens, seeded_generator, token_logprobs
 from wire.sampling import SamplingParams
 
 V = 8
@@ -98,3 +99,52 @@ def test_huge_logit_bias_saturates_instead_of_breaking_the_draw():
     req = FakeReq(SamplingParams.from_json({"logit_bias": {"2": 1e300, "5": -1e300}}))
     freq = frequencies(logits, req)
     assert freq[2] == 1.0 and freq[5] == 0.0
+
+
+# ---- defect 1's requests: each gets a token, none raises ---------------------------------
+
+def test_min_new_tokens_that_would_ban_every_token_yields():
+    # temperature 0.7, min_new_tokens 2, every token a stop token: all values in range.
+    torch.manual_seed(1)
+    logits = torch.randn(3, V)
+    params = SamplingParams.from_json({"temperature": 0.7, "min_new_tokens": 2,
+                                       "stop_token_ids": list(range(V))})
+    ids = sample_tokens(logits, [FakeReq(params)] * 3, [0])
+    assert ids == logits.argmax(-1).tolist()        # the raw model's choice
+
+
+def test_min_new_tokens_ban_with_partial_stop_list_still_bans():
+    logits = torch.zeros(1, V)
+    logits[0, 3] = 5.0
+    params = SamplingParams.from_json({"temperature": 0, "min_new_tokens": 2,
+                                       "stop_token_ids": [3]})
+    assert sample_tokens(logits, [FakeReq(params)], [7]) != [3]
+
+
+@pytest.mark.parametrize("sampling", [
+    {"top_p": 1e-300}, {"top_p": 1e-46}, {"temperature": 1e39}, {"temperature": 3.5e38,
+                                                                  "min_new_tokens": 2},
+    {"repetition_penalty": 1e-300}, {"repetition_penalty": 1e-38},
+    {"temperature": float("inf"), "min_new_tokens": 2},
+    {"frequency_penalty": 1e300, "presence_penalty": -1e300},
+    {"stop_token_ids": [10**6, -1], "min_new_tokens": 2},     # outside V: ignored
+], ids=str)
+def test_values_float32_cannot_carry_never_break_the_draw(sampling):
+    # Built directly (as a forged message would be): the API would reject most of these.
+    params = SamplingParams(**sampling)
+    torch.manual_seed(2)
+    logits = torch.randn(4, V)
+    reqs = [FakeReq(params, [1, 2]), FakeReq(params, []), FakeReq(SamplingParams()),
+            FakeReq(params, [5], seeded_generator(3, "cpu"))]
+    for _ in range(20):
+        ids = sample_tokens(logits, reqs, [0])
+        assert len(ids) == 4 and all(0 <= t < V for t in ids)
+        if params.min_new_tokens:
+            assert ids[1] != 0 and ids[3] != 0         # under their minimum: EOS banned
+
+
+def test_tiny_repetition_penalty_picks_the_boosted_token():
+    # 1e-300 rounds to 0 in float32: a seen positive logit divided by it is +inf.
+    logits = torch.tensor([[1.0, 2.0, 0.5, 3.0, -1.0, 0.0, 0.1, 0.2]])
+    req = FakeReq(SamplingParams(repetition_penalty=1e-300), [2])
+    assert sample_tokens(logits, [req], []) == [2]

@@ -138,3 +138,93 @@ def test_apply_penalties():
     # row 0: 1/2 - 0.5*2 - 0.25 = -0.75; -1*2 - 0.5 - 0.25 = -2.75; 2 + bias 1 = 3
     assert torch.allclose(out[0], torch.tensor([-0.75, -2.75, 3.0]))
     assert torch.allclose(out[1], torch.tensor([1.0, -1.0, 2.0]))  # neutral row unchanged
+
+
+# ---- totality: every row yields a token (see the sampler's module docstring) -------------
+
+NAN, INF = float("nan"), float("inf")
+
+
+def raw(params: list[SamplingParams], logits: torch.Tensor, gens=None, raw_logits=None):
+    batch = SamplingBatch.from_params(params, logits.shape[-1], "cpu")
+    return sample(logits, batch, gens, raw_logits=raw_logits).tolist()
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {}, {"top_p": 0.5, "top_k": 3},
+                                      {"min_p": 0.2}], ids=["greedy", "plain", "top", "min_p"])
+def test_nan_logits_fall_back_to_the_argmax_of_the_rest(sampling):
+    logits = torch.tensor([[0.0, NAN, 3.0, 1.0], [1.0, 2.0, 0.5, 0.0]])
+    params = [SamplingParams.from_json(sampling), SamplingParams.from_json({"temperature": 0})]
+    for _ in range(20):
+        assert raw(params, logits) == [2, 1]
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {}, {"top_p": 0.9}])
+def test_an_infinite_logit_wins(sampling):
+    logits = torch.tensor([[0.0, 1.0, INF, 2.0]])
+    assert raw([SamplingParams.from_json(sampling)], logits) == [2]
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.7}])
+def test_a_row_with_nothing_allowed_takes_the_raw_argmax(sampling):
+    banned = torch.full((1, 5), -INF)
+    model = torch.tensor([[0.0, 1.0, 4.0, 2.0, NAN]])
+    assert raw([SamplingParams.from_json(sampling)], banned, raw_logits=model) == [2]
+    # Without raw logits, or with nothing usable in them either: token 0.
+    assert raw([SamplingParams.from_json(sampling)], banned) == [0]
+    assert raw([SamplingParams.from_json(sampling)], banned,
+               raw_logits=torch.full((1, 5), NAN)) == [0]
+
+
+def test_all_nan_row_is_token_0():
+    assert raw([SamplingParams()], torch.full((2, 6), NAN)) == [0, 0]
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-46, 1e-40])
+def test_tiny_top_p_is_greedy(top_p):
+    # Values the API rejects (they round to 0 or a denormal in float32), built directly as a
+    # forged message would be: the most likely token is always kept.
+    torch.manual_seed(4)
+    logits = torch.randn(6, 100)
+    params = [SamplingParams(top_p=top_p)] * 6
+    for _ in range(5):
+        assert raw(params, logits) == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [1e38, 3.5e38, 1e39, INF])
+def test_huge_temperature_draws_uniformly_over_the_allowed_tokens(temperature):
+    torch.manual_seed(5)
+    logits = torch.tensor([[5.0, -INF, 1.0, -3.0, -INF, 0.0, 2.0, 9.0]]).expand(N, 8).clone()
+    tokens = torch.tensor(raw([SamplingParams(temperature=temperature)] * N, logits))
+    freq = torch.bincount(tokens, minlength=8).float() / N
+    want = torch.tensor([1, 0, 1, 1, 0, 1, 1, 1]) / 6
+    assert torch.allclose(freq, want, atol=TOL), freq
+
+
+def test_seeded_rows_fall_back_deterministically_and_keep_their_neighbours_draws():
+    torch.manual_seed(6)
+    good = torch.randn(1, 50)
+    bad = torch.full((1, 50), NAN)
+    bad[0, 7] = 1.0
+    params = [SamplingParams(temperature=0.9), SamplingParams(temperature=0.9)]
+    for seed in range(5):
+        alone = raw(params[:1], good, [seeded_generator(seed, "cpu")])[0]
+        got = raw(params, torch.cat([bad, good]),
+                  [seeded_generator(seed + 100, "cpu"), seeded_generator(seed, "cpu")])
+        assert got == [7, alone]
+
+
+def test_nothing_raises_on_a_batch_of_broken_rows():
+    torch.manual_seed(7)
+    logits = torch.randn(6, 30)
+    logits[0] = NAN
+    logits[1] = -INF
+    logits[2, 3] = INF
+    logits[3, ::2] = NAN
+    params = [SamplingParams(temperature=t, top_p=p, top_k=k, min_p=m)
+              for t, p, k, m in [(1.0, 1.0, -1, 0.0), (0.5, 0.3, 5, 0.1), (2.0, 1e-300, -1, 0.0),
+                                 (1e39, 0.9, 3, 0.5), (NAN, NAN, -1, 0.0), (0.0, 1.0, -1, 0.0)]]
+    gens = [seeded_generator(i, "cpu") if i % 2 else None for i in range(6)]
+    tokens = raw(params, logits, gens, raw_logits=logits)
+    assert len(tokens) == 6 and all(0 <= t < 30 for t in tokens)
+    assert tokens[2] == 3 and tokens[5] == logits[5].argmax().item()

@@ -149,3 +149,57 @@ def test_annotations_are_wire_types():
                dict[str, float] | None]
     for f in dataclasses.fields(SamplingParams):
         assert f.type in allowed, f.name
+
+
+@pytest.mark.parametrize("obj, message", [
+    # What float32 (the scheduler's sampling dtype) cannot carry.
+    ({"temperature": 1e39}, "temperature must be at most 3.4028234663852886e+38 (the float32 "
+                            "maximum), got 1e+39."),
+    ({"temperature": 3.5e38, "min_new_tokens": 2},
+     "temperature must be at most 3.4028234663852886e+38 (the float32 maximum), got 3.5e+38."),
+    ({"top_p": 1e-300}, "top_p must be at least 1.1754943508222875e-38 (the smallest normal "
+                        "float32), got 1e-300."),
+    ({"top_p": 1e-46}, "top_p must be at least 1.1754943508222875e-38 (the smallest normal "
+                       "float32), got 1e-46."),
+    ({"repetition_penalty": 1e-300}, "repetition_penalty must be at least "
+                                     "1.1754943508222875e-38 (the smallest normal float32), "
+                                     "got 1e-300."),
+])
+def test_rejects_what_float32_cannot_carry(obj, message):
+    with pytest.raises(ValueError) as e:
+        SamplingParams.from_json(obj)
+    assert str(e.value) == message
+
+
+def test_float32_extremes_that_fit_are_accepted():
+    SamplingParams.from_json({"temperature": 3.4e38, "top_p": 1.2e-38,
+                              "repetition_penalty": 1.2e-38})
+
+
+@pytest.mark.parametrize("params, message", [
+    (SamplingParams(top_p=1e-300), "top_p must be at least"),
+    (SamplingParams(temperature=float("nan")), "temperature must be a non-negative finite"),
+    (SamplingParams(max_new_tokens=-5), "max_new_tokens must be at least 0"),
+    (SamplingParams(stop=[""]), "must not contain an empty string"),
+    (SamplingParams(stop=["x"] * 33), "at most 32 entries"),
+    (SamplingParams(stop_token_ids=[-1]), "stop_token_ids must be a list of non-negative"),
+    (SamplingParams(stop_token_ids=[10]), "stop_token_ids contains 10, outside the "
+                                          "vocabulary [0, 10)."),
+    (SamplingParams(logit_bias={"x": 1.0}), "logit_bias keys must be token ids"),
+    (SamplingParams(logit_bias={"10": 1.0}), "logit_bias must has keys in [0, 9], got 10."),
+    (SamplingParams(logit_bias={"1": float("nan")}), "logit_bias values must be finite"),
+    (SamplingParams(sampling_seed=-(2**63) - 1), "sampling_seed must fit in 64 bits"),
+], ids=str)
+def test_verify_checks_params_that_skipped_from_json(params, message):
+    # A TokenizedRequest decoded off the scheduler's socket carries SamplingParams built by
+    # the codec, not by from_json: verify() repeats every check.
+    with pytest.raises(ValueError) as e:
+        params.verify(vocab_size=10)
+    assert message in str(e.value)
+
+
+def test_verify_accepts_what_from_json_builds():
+    p = SamplingParams.from_json({"stop": ["a"], "stop_token_ids": [9], "logit_bias": {"3": 2},
+                                  "temperature": 0.5, "sampling_seed": 7})
+    p.verify(vocab_size=10)
+    SamplingParams().verify()

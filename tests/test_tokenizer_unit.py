@@ -225,7 +225,7 @@ FORGED = [
     (gen(text="a", logprob=LogprobRequest(start_len=-2)), "logprob_start_len"),
     (gen(input_ids=[5, 10**6]), "Token id 1000000 in input_ids is outside"),
     (gen(input_ids=[-1]), "Token id -1 in input_ids is outside"),
-    (gen(input_ids=[10**6] * 10**5), f"The input (100000 tokens) is longer"),
+    (gen(input_ids=[10**6] * 10**5), "The input (100000 tokens) is longer"),
     (gen(input_ids=[]), "The input is empty."),
     (gen(text="a", sampling=sp(max_new_tokens=2**62)), "Requested token count exceeds"),
 ]

@@ -175,6 +175,7 @@ class SchedulerLoad:
     prompt_tokens_total: int = 0        # counters since start
     generated_tokens_total: int = 0
     retracted_total: int = 0
+    rejected_total: int = 0             # forged or invalid requests the scheduler refused
 
 
 @dataclass(slots=True)

@@ -1,8 +1,8 @@
 """Per-request sampling parameters, as they travel from the API process to the scheduler.
 
-`SamplingParams.from_json` is the only place a client's `sampling_params` object is checked;
-everything downstream trusts the values it holds. Defaults, range checks and their messages
-follow SGLang's `SamplingParams` (`verify`), so an SGLang client sees the same 400s here.
+`SamplingParams.from_json` is where a client's `sampling_params` object is checked. Defaults,
+range checks and their messages follow SGLang's `SamplingParams` (`verify`), so an SGLang
+client sees the same 400s here.
 
 Differences from SGLang, on purpose:
 - `max_new_tokens: null` ("until the context length" in SGLang) is rejected with a 400: our
@@ -12,6 +12,13 @@ Differences from SGLang, on purpose:
   then stored as 1 and not range-checked.
 - SGLang parameters we do not implement (regex, json_schema, ...) are a 400 unless null.
 - `stop` is always a list (a str becomes [str]); empty stop strings are rejected.
+- Values the scheduler's float32 sampling cannot carry are a 400 too: a temperature above the
+  float32 maximum, and a top_p or repetition_penalty below the smallest normal float32
+  (they would round to infinity, zero or a denormal and poison the whole distribution).
+
+`verify(vocab_size)` repeats every check for params that did not come through `from_json`
+(the scheduler checks each TokenizedRequest it receives: anyone who can reach its socket
+can forge one).
 """
 
 import math
@@ -19,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SAMPLING_EPS = 1e-6          # temperature below this is greedy (SGLang's _SAMPLING_EPS)
+FLOAT32_MAX = 3.4028234663852886e38      # the largest finite float32
+FLOAT32_TINY = 1.1754943508222875e-38    # the smallest normal float32
 MAX_STOP_STRINGS = 32
 MAX_N = 128             # parallel samples per prompt (OpenAI's limit)
 MAX_STOP_LENGTH = 256   # characters; the detokenizer keeps every prefix of each stop string
@@ -77,8 +86,24 @@ class SamplingParams:
         params._verify()
         return params
 
+    def verify(self, vocab_size: int | None = None) -> None:
+        """Every check `from_json` makes, for params that did not come through it (decoded
+        off a socket): the shapes the JSON parsers enforce, the ranges and, given the
+        vocabulary size, `verify_vocab`. Raises ValueError with a client-facing message."""
+        _stop("stop", self.stop)
+        _token_ids("stop_token_ids", self.stop_token_ids)
+        if self.logit_bias is not None:
+            _logit_bias("logit_bias", self.logit_bias)
+        self._verify()
+        if vocab_size is not None:
+            self.verify_vocab(vocab_size)
+
     def verify_vocab(self, vocab_size: int) -> None:
         """The checks that need the model's vocabulary size (SGLang's messages)."""
+        bad = next((t for t in self.stop_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids contains {bad}, outside the vocabulary "
+                             f"[0, {vocab_size}).")
         for token_id in self.logit_bias or {}:
             if not 0 <= int(token_id) < vocab_size:      # keys are decimal digits (from_json)
                 raise ValueError(f"logit_bias must has keys in [0, {vocab_size - 1}], got "
@@ -89,8 +114,14 @@ class SamplingParams:
         if not math.isfinite(self.temperature) or self.temperature < 0.0:
             raise ValueError(f"temperature must be a non-negative finite number, got "
                              f"{self.temperature}.")
+        if self.temperature > FLOAT32_MAX:
+            raise ValueError(f"temperature must be at most {FLOAT32_MAX} (the float32 "
+                             f"maximum), got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_p < FLOAT32_TINY:
+            raise ValueError(f"top_p must be at least {FLOAT32_TINY} (the smallest normal "
+                             f"float32), got {self.top_p}.")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.temperature < SAMPLING_EPS:
@@ -106,6 +137,9 @@ class SamplingParams:
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise ValueError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got "
                              f"{self.repetition_penalty}.")
+        if self.repetition_penalty < FLOAT32_TINY:
+            raise ValueError(f"repetition_penalty must be at least {FLOAT32_TINY} (the "
+                             f"smallest normal float32), got {self.repetition_penalty}.")
         if not 0 <= self.min_new_tokens:
             raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got "
                              f"{self.min_new_tokens}.")

@@ -17,6 +17,11 @@ def _opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
+def _refuse(message: str) -> typing.NoReturn:
+    sys.stderr.write(f"zserve: {message}\n")
+    sys.exit(2)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:
         """One line, no usage dump: the mistake and where to look."""
@@ -107,17 +112,17 @@ class ServerArgs:
     def check(self) -> None:
         for name in ("port", "max_running_requests", "chunked_prefill_size",
                      "max_request_bytes", "read_timeout", "send_timeout", "watchdog_timeout"):
-            if getattr(self, name) <= 0:
-                raise SystemExit(f"--{name.replace('_', '-')} must be positive")
+            if not getattr(self, name) > 0 or getattr(self, name) == float("inf"):
+                _refuse(f"--{name.replace('_', '-')} must be positive")
         for name in ("max_queued_requests", "request_timeout"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise SystemExit(f"--{name.replace('_', '-')} must be positive")
+                _refuse(f"--{name.replace('_', '-')} must be positive")
         if self.shutdown_timeout < 0:
-            raise SystemExit("--shutdown-timeout must not be negative")
+            _refuse("--shutdown-timeout must not be negative")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:
-            raise SystemExit("--max-total-tokens must be positive")
+            _refuse("--max-total-tokens must be positive")
         if not 0 < self.mem_fraction_static <= 1:
-            raise SystemExit("--mem-fraction-static must be in (0, 1]")
+            _refuse("--mem-fraction-static must be in (0, 1]")
 
     @property
     def model_id(self) -> str:

@@ -1,0 +1,345 @@
+"""The scheduler core driven with a fake model runner: validation of what arrives on its
+socket, fault isolation (a failing forward or sampling row), the KV pool's idle invariant
+afterwards, fitting chat requests to the pool, the queue limit and the watchdog's timer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from scheduler_proc import process
+from scheduler_proc import runner as runner_mod
+from scheduler_proc.pool import ReqToToken, TokenPool
+from scheduler_proc.runner import Segment, sample_isolated
+from scheduler_proc.sampler import seeded_generator
+from scheduler_proc.scheduler import Scheduler
+from wire.messages import (AbortRequest, FlushCacheRequest, LogprobRequest, ReleaseRequest,
+                           TokenizedRequest)
+from wire.sampling import SamplingParams
+from wire.server_args import ServerArgs
+
+VOCAB, CONTEXT, EOS = 50, 128, 0
+
+
+@dataclass
+class FakeConfig:
+    vocab_size: int = VOCAB
+    eos_token_ids: list[int] = field(default_factory=lambda: [EOS])
+
+
+class FakeRunner:
+    """ModelRunner's surface without a model: token = 1 + position % (VOCAB - 1) (never EOS).
+    `fail(segments)` may raise (a failed forward) or return {rid: exception} (failed rows)."""
+
+    device = "cpu"
+    context_len = CONTEXT
+
+    def __init__(self, pool_size: int, max_running: int):
+        self.pool_size = pool_size
+        self.pool = TokenPool(pool_size)
+        self.req_to_token = ReqToToken(max_running, CONTEXT, "cpu")
+        self.config = FakeConfig()
+        self.fail = lambda segments: {}
+        self.steps: list[list[Segment]] = []
+
+    def forward(self, segments):
+        self.steps.append(segments)
+        failed = self.fail(segments)
+        return [failed.get(s.req.rid, 1 + s.req.seq_len % (VOCAB - 1))
+                for s in segments if s.sample]
+
+
+def make(pool: int = 400, max_running: int = 8, **flags) -> tuple[Scheduler, list, list]:
+    args = ServerArgs(max_running_requests=max_running, chunked_prefill_size=64, **flags)
+    batches, replies = [], []
+    return Scheduler(args, FakeRunner(pool, max_running), batches.append,
+                     replies.append), batches, replies
+
+
+def request(rid: str, ids=(1, 2, 3), **sampling) -> TokenizedRequest:
+    sampling.setdefault("max_new_tokens", 4)
+    return TokenizedRequest(rid=rid, input_ids=list(ids), sampling=SamplingParams(**sampling))
+
+
+def finishes(batches) -> dict:
+    return {o.rid: o.finish for b in batches for o in b.outputs if o.finish is not None}
+
+
+def run_until_idle(s: Scheduler, msgs=(), steps: int = 500) -> None:
+    s.step(list(msgs))
+    for _ in range(steps):
+        if s.idle:
+            return
+        s.step([])
+    raise AssertionError("the scheduler did not become idle")
+
+
+def assert_pool_idle(s: Scheduler) -> None:
+    pool = s.runner.pool
+    assert pool.num_free + s.kv.evictable == pool.size
+    s.kv.cache.check()
+    assert not s.in_flight and not s.running and not s.waiting
+
+
+# ---- validation of what arrives ---------------------------------------------------------
+
+FORGED = [
+    (request("r", [1, 10 ** 6]), "Token id 1000000 in input_ids is outside the vocabulary"),
+    (request("r", [-1, 2]), "Token id -1 in input_ids is outside the vocabulary"),
+    (request("r", []), "The input is empty."),
+    (request("r", [1] * CONTEXT), f"longer than the model's context length ({CONTEXT}"),
+    (request("r", [1] * 100, max_new_tokens=28), "exceeds the model's maximum context length"),
+    (request("r", top_p=1e-300), "top_p must be at least"),
+    (request("r", temperature=float("nan")), "temperature must be a non-negative finite"),
+    (request("r", temperature=1e39), "temperature must be at most"),
+    (request("r", repetition_penalty=1e-300), "repetition_penalty must be at least"),
+    (request("r", max_new_tokens=-1), "max_new_tokens must be at least 0"),
+    (request("r", min_new_tokens=9), "min_new_tokens must be in"),
+    (request("r", stop_token_ids=[VOCAB]), "stop_token_ids contains 50, outside the vocab"),
+    (request("r", logit_bias={"50": 1.0}), "logit_bias must has keys in [0, 49]"),
+    (request("r", logit_bias={"one": 1.0}), "logit_bias keys must be token ids"),
+    (request("r", stop=[""]), "must not contain an empty string"),
+    (request("r", sampling_seed=2 ** 64), "sampling_seed must fit in 64 bits"),
+]
+
+
+@pytest.mark.parametrize("msg, fragment", FORGED, ids=[f for _, f in FORGED])
+def test_forged_request_is_answered_400_and_dropped(msg, fragment):
+    s, batches, _ = make()
+    s.step([msg])
+    [out] = [o for b in batches for o in b.outputs]
+    assert out.rid == "r" and out.new_ids == [] and out.decode is not None
+    assert out.finish.type == "abort" and out.finish.status_code == 400
+    assert fragment in out.finish.message
+    assert s.rejected_total == 1 and s.idle and not s.runner.steps
+    run_until_idle(s, [request("next")])               # and the next request is served
+    assert finishes(batches)["next"].type == "length"
+    assert_pool_idle(s)
+
+
+@pytest.mark.parametrize("logprob, fragment", [
+    (LogprobRequest(top_logprobs_num=21), "top_logprobs_num must be in [0, 20], got 21."),
+    (LogprobRequest(top_logprobs_num=-1), "top_logprobs_num must be in [0, 20], got -1."),
+    (LogprobRequest(start_len=-2), "logprob_start_len must be at least -1, got -2."),
+])
+def test_forged_logprob_request_is_400(logprob, fragment):
+    s, batches, _ = make()
+    msg = request("r")
+    msg.logprob = logprob
+    s.step([msg])
+    assert finishes(batches)["r"].message == fragment
+    assert finishes(batches)["r"].status_code == 400
+
+
+def test_duplicate_and_empty_rids_are_dropped_without_touching_the_running_one():
+    s, batches, _ = make()
+    s.step([request("a", max_new_tokens=6, ignore_eos=True)])
+    s.step([request("a", [9, 9]), request("")])
+    assert s.rejected_total == 2
+    assert all(o.rid == "a" and o.finish is None for b in batches for o in b.outputs)
+    run_until_idle(s)
+    assert finishes(batches) == {"a": finishes(batches)["a"]}
+    assert finishes(batches)["a"].type == "length"
+    assert_pool_idle(s)
+
+
+def test_odd_control_messages_are_harmless():
+    s, batches, replies = make()
+    s.step([AbortRequest(rid="nobody"), AbortRequest(rid="", abort_all=True),
+            ReleaseRequest(rids=["x", "x", ""]), FlushCacheRequest(req_id="")])
+    assert replies[-1].ok and s.idle and not batches
+    s.step([request("a", max_new_tokens=20), request("b", max_new_tokens=20)])
+    s.step([ReleaseRequest(rids=["a", "a", "zzz"]), FlushCacheRequest(req_id="f"),
+            AbortRequest(rid="b", message="")])
+    assert not replies[-1].ok                           # busy: refused, not crashed
+    assert finishes(batches)["a"].message == "Released by the detokenizer."
+    assert finishes(batches)["b"].type == "abort"
+    assert_pool_idle(s)
+
+
+def test_early_aborts_are_bounded(monkeypatch):
+    monkeypatch.setattr("scheduler_proc.scheduler.MAX_EARLY_ABORTS", 100)
+    s, _, _ = make()
+    s.step([AbortRequest(rid=f"ghost-{i}") for i in range(1000)])
+    assert len(s.early_aborts) == 100 and "ghost-999" in s.early_aborts
+    s.step([request("ghost-999")])                      # the abort still overtakes it
+    assert s.idle
+
+
+# ---- fault isolation ----------------------------------------------------------------------
+
+def test_failed_forward_ends_the_steps_requests_and_caches_nothing_it_wrote():
+    s, batches, _ = make()
+    run_until_idle(s, [request("warm", [1, 2, 3, 4, 5], max_new_tokens=3)])
+    cached = s.kv.evictable                             # 5 prompt + 2 decoded positions
+    assert cached == 7
+
+    def boom(segments):
+        if any(seg.req.rid == "bad" for seg in segments):
+            raise RuntimeError("simulated kernel failure")
+        return {}
+    s.runner.fail = boom
+    # "bad" shares the cached prefix; its new positions 5..9 are written by the failed step.
+    s.step([request("bad", [1, 2, 3, 4, 5, 11, 12, 13, 14, 15], max_new_tokens=3)])
+    out = finishes(batches)["bad"]
+    assert out.type == "abort" and out.status_code == 500
+    assert "simulated kernel failure" in out.message
+    assert_pool_idle(s)
+    assert s.kv.evictable == cached                     # nothing of the failed step cached
+    ids, _ = s.kv.cache.match_prefix([1, 2, 3, 4, 5, 11, 12, 13])
+    assert len(ids) == 5
+    s.runner.fail = lambda segments: {}
+    run_until_idle(s, [request("after", [1, 2, 3, 4, 5, 11], max_new_tokens=5)])
+    assert finishes(batches)["after"].type == "length"
+    assert_pool_idle(s)
+
+
+def test_failed_forward_mid_decode_keeps_what_earlier_steps_computed():
+    s, batches, _ = make()
+    calls = []
+
+    def fail_third(segments):
+        calls.append(1)
+        if len(calls) == 3:
+            raise MemoryError("simulated")
+        return {}
+    s.runner.fail = fail_third
+    run_until_idle(s, [request("a", [1, 2, 3, 4], max_new_tokens=10),
+                       request("b", [7, 8, 9], max_new_tokens=10)])
+    f = finishes(batches)
+    assert f["a"].status_code == 500 and f["b"].status_code == 500
+    # Steps 1-2 computed the prompts and one decoded position each; step 3's were dropped.
+    assert s.kv.evictable == (4 + 1) + (3 + 1)
+    assert_pool_idle(s)
+
+
+def test_a_failed_sampling_row_ends_only_its_request():
+    s, batches, _ = make()
+    s.runner.fail = lambda segments: {"bad": ValueError("simulated sampling failure")}
+    run_until_idle(s, [request("good", max_new_tokens=5), request("bad", max_new_tokens=5)])
+    f = finishes(batches)
+    assert f["good"].type == "length"
+    assert f["bad"].status_code == 500 and "simulated sampling failure" in f["bad"].message
+    assert s.generated_tokens_total == 5
+    assert_pool_idle(s)
+
+
+def test_a_cuda_error_takes_the_process_down():
+    s, _, _ = make()
+
+    def sticky(segments):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+    s.runner.fail = sticky
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        s.step([request("a")])
+
+
+@dataclass
+class Row:
+    rid: str
+    sampling: SamplingParams
+    output_ids: list = field(default_factory=list)
+    generator: torch.Generator | None = None
+    logprob: LogprobRequest | None = None
+    pending_logprobs: object = None
+
+
+def test_sample_isolated_retries_row_by_row(monkeypatch):
+    real = runner_mod.sample_tokens
+
+    def flaky(logits, reqs, eos_ids):
+        if any(r.rid == "bad" for r in reqs):
+            raise RuntimeError("simulated")
+        return real(logits, reqs, eos_ids)
+    monkeypatch.setattr(runner_mod, "sample_tokens", flaky)
+    torch.manual_seed(0)
+    logits = torch.randn(3, VOCAB)
+    seeded = SamplingParams(temperature=1.0)
+    alone = real(logits[2:], [Row("s", seeded, generator=seeded_generator(5, "cpu"))], [])
+    rows = [Row("g", SamplingParams(temperature=0), logprob=LogprobRequest(top_logprobs_num=2)),
+            Row("bad", SamplingParams()), Row("s", seeded, generator=seeded_generator(5, "cpu"))]
+    out = sample_isolated(logits, rows, [])
+    assert out[0] == logits[0].argmax().item() and rows[0].pending_logprobs is not None
+    assert isinstance(out[1], RuntimeError)
+    assert out[2] == alone[0]                   # the seeded row draws as it would alone
+
+
+# ---- fitting to the pool, the queue limit ---------------------------------------------------
+
+def test_fit_context_lowers_max_new_tokens_to_the_pool():
+    s, batches, _ = make(pool=60)
+    fit = request("fit", [1] * 30, max_new_tokens=97, min_new_tokens=90, ignore_eos=True)
+    fit.fit_context = True
+    run_until_idle(s, [fit, request("strict", [1] * 30, max_new_tokens=97)])
+    f = finishes(batches)
+    assert f["fit"].type == "length" and f["fit"].length == 31    # 30 + 31 - 1 == 60
+    assert f["strict"].status_code == 400 and "KV slots" in f["strict"].message
+    too_long = request("long", [1] * 61, max_new_tokens=10)
+    too_long.fit_context = True
+    run_until_idle(s, [too_long])
+    assert finishes(batches)["long"].status_code == 400
+    assert_pool_idle(s)
+
+
+def test_queue_limit_ends_new_arrivals_beyond_it_with_503():
+    s, batches, _ = make(max_running=1, max_queued_requests=2)
+    s.step([request(f"r{i}", max_new_tokens=3) for i in range(6)])
+    f = finishes(batches)
+    assert sorted(f) == ["r3", "r4", "r5"]               # r0 runs, r1 and r2 wait
+    assert all(x.status_code == 503 and x.message.startswith("The request queue is full")
+               for x in f.values())
+    assert len(s.waiting) == 2
+    run_until_idle(s)
+    assert all(finishes(batches)[f"r{i}"].type == "length" for i in range(3))
+    assert_pool_idle(s)
+
+
+def test_retracted_requests_are_never_dropped_by_the_queue_limit():
+    s, batches, _ = make(pool=40, max_running=2, max_queued_requests=1)
+    s.step([request("a", max_new_tokens=20, ignore_eos=True),
+            request("b", max_new_tokens=20, ignore_eos=True)])
+    assert len(s.running) == 2
+    s.retract(s.running[-1])          # as make_room does; the raised estimate keeps it out
+    s.step([request("c"), request("d")])
+    f = finishes(batches)
+    assert "b" not in f and f["c"].status_code == 503 and f["d"].status_code == 503
+    assert [r.rid for r in s.waiting] == ["b"]
+    run_until_idle(s)
+    assert finishes(batches)["b"].type == "length"
+    assert_pool_idle(s)
+
+
+# ---- the watchdog's timer (the e2e test in test_scheduler_faults.py sees it fire) -----------
+
+def test_watchdog_rearms_at_most_every_interval_and_pauses_idle(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(process.time, "monotonic", lambda: clock[0])
+    armed = []
+    monkeypatch.setattr(process.faulthandler, "dump_traceback_later",
+                        lambda timeout, **kw: armed.append((timeout, kw["exit"])))
+    monkeypatch.setattr(process.faulthandler, "cancel_dump_traceback_later",
+                        lambda: armed.append("cancel"))
+    w = process.Watchdog(5.0)
+    w.pause()                                           # not armed: nothing to cancel
+    w.progress()
+    clock[0] += process.REARM_INTERVAL / 2
+    w.progress()                                        # too soon to re-arm
+    clock[0] += process.REARM_INTERVAL / 2
+    w.progress()
+    w.pause()
+    w.pause()
+    w.progress()
+    timer = 5.0 + process.REARM_INTERVAL                # fires S..S+interval after a step
+    assert armed == [(timer, True), (timer, True), "cancel", (timer, True)]
+
+
+@pytest.mark.parametrize("timeout", [0.0, -1.0, float("nan")])
+def test_watchdog_refuses_a_timeout_that_is_not_positive(timeout):
+    with pytest.raises(ValueError, match="--watchdog-timeout must be positive"):
+        process.Watchdog(timeout)
+
+
+def test_watchdog_caps_what_faulthandler_cannot_hold():
+    assert process.Watchdog(float("inf")).timer == process.LONGEST_TIMER
