@@ -273,7 +273,7 @@ def test_n_samples_with_a_seed_get_consecutive_seeds():
 # Every field of SGLang's GenerateReqInput with its default value, as SGLang's clients send
 # them (bench_serving, the router), plus what the router adds.
 SGLANG_DEFAULT_BODY = {
-    "text": "hello", "sampling_params": {"max_new_tokens": 2}, "rid": None,
+    "text": "hello", "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}, "rid": None,
     "session_id": None, "input_ids": None, "input_embeds": None, "image_data": None,
     "video_data": None, "audio_data": None, "mm_hashes": None, "mm_content_hashes": None,
     "use_audio_in_video": False, "video_config": None, "return_logprob": None,
