@@ -4,7 +4,10 @@ four response forms, for the llama, qwen2 and qwen3 families."""
 from __future__ import annotations
 
 import functools
+import json
+import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -203,63 +206,96 @@ def test_stop_token_ids(server, model_dir):
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": token}
 
 
-def wait_idle(server, timeout: float = 10.0) -> dict:
+CONTEXT = 512               # the tiny checkpoints' context length
+LONG_PROMPT = [11, 12, 13, 14]
+# A request that cannot finish before the test acts on it: it runs to the context's end
+# (prompt + max_new_tokens must stay below the context length).
+LONG = {"input_ids": LONG_PROMPT, "sampling_params": {
+    "max_new_tokens": CONTEXT - len(LONG_PROMPT) - 1, "ignore_eos": True}}
+
+
+def wait_until(condition, timeout: float = 30.0, what: str = "condition"):
+    """Poll condition() until it returns something truthy; that value is returned. The
+    timeout is a safety net against a hang, not an expectation of speed."""
     deadline = time.monotonic() + timeout
-    while True:
-        info = server.server_info()
-        if info["running_requests"] == 0 and info["queued_requests"] == 0 and \
-                info["requests_in_flight"] == 0:
-            return info
-        assert time.monotonic() < deadline, info
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+    return value
+
+
+def wait_idle(server, timeout: float = 30.0) -> dict:
+    def idle():
+        info = server.server_info()
+        return info if (info["running_requests"] == 0 and info["queued_requests"] == 0 and
+                        info["requests_in_flight"] == 0) else None
+    return wait_until(idle, timeout, "the server to go idle")
+
+
+def wait_running(server, n: int) -> dict:
+    """Until /server_info shows n requests running. A unary request shows as running from
+    its first token on: the scheduler sends a request's first token at once."""
+    return wait_until(lambda: (i := server.server_info())["running_requests"] >= n and i,
+                      what=f"{n} running requests")
+
+
+def assert_pool_idle(info: dict) -> None:
+    kv = info["kv_pool"]
+    assert kv["free"] + kv["evictable"] == kv["total"], kv
+
+
+def send_unary_raw(server, body: dict) -> socket.socket:
+    """POST /generate over a bare socket and return it without reading the answer, so the
+    test decides when the client goes away."""
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    return sock
 
 
 def test_unary_client_disconnect_aborts_the_request(server):
     before = wait_idle(server)["generated_tokens_total"]
-    body = {"text": "x", "rid": "unary-goes-away",
-            "sampling_params": {"max_new_tokens": 450, "ignore_eos": True}}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + "/generate", json=body, timeout=0.2)
+    sock = send_unary_raw(server, {**LONG, "rid": "unary-goes-away"})
+    try:
+        wait_running(server, 1)                 # observed running, far from its end
+    finally:
+        sock.close()                            # the client goes away
     info = wait_idle(server)
-    assert info["generated_tokens_total"] - before < 450
-    kv = info["kv_pool"]
-    assert kv["free"] + kv["evictable"] == kv["total"], kv
+    assert info["generated_tokens_total"] - before < LONG["sampling_params"]["max_new_tokens"]
+    assert_pool_idle(info)
+    # The rid is free again.
+    assert server.generate_ok(text="x", rid="unary-goes-away",
+                              sampling_params={"max_new_tokens": 1})["meta_info"]["id"]
 
 
 def test_abort_request_by_rid_prefix(server):
-    import threading
-    results = {}
-
-    def run(i):
-        results[i] = server.client.post("/generate", json={
-            "text": "x", "rid": f"job-{i}",
-            "sampling_params": {"max_new_tokens": 450, "ignore_eos": True}}).json()
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 10
-    while server.server_info()["running_requests"] < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert server.client.post("/abort_request", json={"rid": "job-"}).json()["aborted"] == 2
-    for t in threads:
-        t.join(30)
-    for out in results.values():
-        assert out["meta_info"]["finish_reason"]["type"] == "abort", out["meta_info"]
-        assert out["meta_info"]["completion_tokens"] < 450
     wait_idle(server)
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(server.generate, **LONG, rid=f"job-{i}") for i in range(2)]
+        wait_running(server, 2)
+        assert server.client.post("/abort_request", json={"rid": "job-"}).json()["aborted"] == 2
+        outs = [f.result() for f in futures]
+    for r in outs:
+        assert r.status_code == 200, r.text
+        meta = r.json()["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort", meta
+        assert meta["completion_tokens"] < LONG["sampling_params"]["max_new_tokens"]
+    assert_pool_idle(wait_idle(server))
 
 
 def test_client_disconnect_aborts_the_request(server):
     before = wait_idle(server)["generated_tokens_total"]
-    body = {"text": "x", "stream": True, "rid": "goes-away",
-            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    body = {**LONG, "stream": True, "rid": "goes-away"}
     with httpx.Client(base_url=server.url, timeout=30) as c:
         with c.stream("POST", "/generate", json=body) as r:
-            next(r.iter_lines())            # the first frame: the request is running
+            assert r.status_code == 200
+            first = next(line for line in r.iter_lines() if line)
+            assert first.startswith("data: {"), first     # a frame: the request is running
     info = wait_idle(server)
-    assert info["generated_tokens_total"] - before < 400
-    kv = info["kv_pool"]
-    assert kv["free"] + kv["evictable"] == kv["total"], kv
+    assert info["generated_tokens_total"] - before < LONG["sampling_params"]["max_new_tokens"]
+    assert_pool_idle(info)
     # The rid is free again.
     assert server.generate_ok(text="x", rid="goes-away",
                               sampling_params={"max_new_tokens": 1})["meta_info"]["id"]

@@ -1,6 +1,7 @@
 """End to end: the server's processes live and die together.
 
-A child killed with SIGKILL ends the launcher with a non-zero exit and leaves no process;
+A child killed with SIGKILL fails the requests in flight with 503 and ends the launcher
+with a non-zero exit within 10 s, leaving no process;
 SIGTERM exits 0 and removes the ipc directory; an idle server uses (almost) no CPU.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
@@ -85,54 +87,77 @@ def test_idle_server_uses_no_cpu(tiny_model, tmp_path):
     s = Server(tiny_model("llama"), tmpdir=tmp_path)
     try:
         s.generate_ok(text="warm up", sampling_params={"max_new_tokens": 8})
+        info = s.server_info()
+        assert info["requests_in_flight"] == info["running_requests"] == 0, info
         procs = [psutil.Process(s.proc.pid), *s.children]
-        time.sleep(1.0)                       # let startup work settle
-        before, t0 = cpu_seconds(procs), time.monotonic()
-        time.sleep(3.0)
-        used = (cpu_seconds(procs) - before) / (time.monotonic() - t0)
-        assert used < 0.05, f"idle server used {used:.1%} of a core"
+        # A busy-waiting loop uses a core in every window; a window that catches leftover
+        # work (a startup thread winding down, a neighbour stealing time) is measured again.
+        used = []
+        for _ in range(3):
+            before, t0 = cpu_seconds(procs), time.monotonic()
+            time.sleep(2.0)
+            used.append((cpu_seconds(procs) - before) / (time.monotonic() - t0))
+            if used[-1] < 0.05:
+                break
+        assert min(used) < 0.05, f"idle server used {min(used):.1%} of a core at best"
     finally:
         s.terminate()
 
 
+# A request that cannot finish before the test kills a child: it runs to the end of the
+# 512-token context (prompt + max_new_tokens must stay below it).
+LONG_PROMPT = [11, 12, 13, 14]
+LONG = {"input_ids": LONG_PROMPT, "sampling_params": {
+    "max_new_tokens": 512 - len(LONG_PROMPT) - 1, "ignore_eos": True}}
+
+
 @pytest.mark.parametrize("victim", CHILDREN)
 def test_killed_child_takes_the_server_down(tiny_model, tmp_path, victim):
+    """Acceptance: a request running when a child is SIGKILLed fails with a 503 naming the
+    death, and the server exits non-zero within 10 s of the kill, leaving no process (of
+    those it started, or any other in its process group) and no ipc directory."""
     s = Server(tiny_model("llama"), tmpdir=tmp_path)
     try:
         procs = [psutil.Process(s.proc.pid), *s.children]
-        s.child(victim).send_signal(signal.SIGKILL)
-        code = s.proc.wait(timeout=30)
-        assert code != 0
-        assert gone(procs, 10), [p for p in procs if p.is_running()]
+        assert list(tmp_path.glob("zserve-*/"))
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(s.client.post, "/generate", json=LONG)
+            wait_running(s, future)
+            s.child(victim).send_signal(signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            r = future.result(timeout=30)
+        assert r.status_code == 503, r.text
+        assert "died" in r.json()["error"]["message"]
+        code = s.proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        assert code != 0, s.logs()
+        assert gone(procs, max(deadline - time.monotonic(), 0.0)), \
+            [p for p in procs if p.is_running()]
+        assert not left_in_group(s.proc.pid)
         assert not list(tmp_path.glob("zserve-*/"))
         assert f"The {victim} process died" in s.logs()
     finally:
         s.kill()
 
 
-def test_request_in_flight_fails_with_503_when_a_child_dies(tiny_model, tmp_path):
-    import threading
-    s = Server(tiny_model("llama"), tmpdir=tmp_path)
-    try:
-        result = {}
+def wait_running(s: Server, future) -> None:
+    """Until /server_info shows the request running (its first token is out; the scheduler
+    sends a request's first token at once). The timeout only guards against a hang."""
+    deadline = time.monotonic() + 30
+    while s.server_info()["running_requests"] < 1:
+        assert time.monotonic() < deadline and not future.done(), "the request never ran"
+        time.sleep(0.05)
 
-        def run():
-            r = s.client.post("/generate", json={"text": "x", "sampling_params": {
-                "max_new_tokens": 400, "ignore_eos": True}})
-            result["status"] = r.status_code
-            result["body"] = r.json()
-        t = threading.Thread(target=run)
-        t.start()
-        time.sleep(0.3)
-        s.child("detokenizer").send_signal(signal.SIGKILL)
-        t.join(30)
-        assert not t.is_alive()
-        if result["status"] != 200:       # it may have finished before the kill
-            assert result["status"] == 503, result
-            assert "died" in result["body"]["error"]["message"]
-        assert s.proc.wait(timeout=30) != 0
-    finally:
-        s.kill()
+
+def left_in_group(pgid: int) -> list[psutil.Process]:
+    """Live (non-zombie) processes of a process group: the server runs in its own."""
+    left = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            pass
+    return left
 
 
 def test_context_longer_than_the_model_is_refused_at_startup(tiny_model):

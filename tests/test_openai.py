@@ -357,19 +357,33 @@ def test_malformed_body_is_400(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
-def test_stream_disconnect_aborts_the_request(server, model):
-    body = {"model": model, "messages": MESSAGES, "max_tokens": 400, "stream": True,
+def wait_idle(server, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout      # a safety net against a hang, not a speed
+    while True:
+        info = server.server_info()
+        if info["requests_in_flight"] == info["running_requests"] == 0:
+            return info
+        assert time.monotonic() < deadline, info
+        time.sleep(0.05)
+
+
+def test_stream_disconnect_aborts_the_request(server, model, tok):
+    # max_tokens runs to the end of the context: the request cannot finish by itself
+    # before the client goes away.
+    max_tokens = 512 - len(chat_ids(tok, MESSAGES)) - 1
+    body = {"model": model, "messages": MESSAGES, "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True}
+    before = wait_idle(server)["generated_tokens_total"]
     with httpx.Client(base_url=server.url, timeout=30) as c:
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
-            first = next(r.iter_lines())
+            first = next(r.iter_lines())            # the first frame: the request is running
             assert json.loads(first[len("data: "):])["choices"][0]["delta"]["role"] == \
                 "assistant"
-    deadline = time.monotonic() + 10
-    while server.server_info()["requests_in_flight"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.server_info()["requests_in_flight"] == 0
+    info = wait_idle(server)
+    assert info["generated_tokens_total"] - before < max_tokens
+    kv = info["kv_pool"]
+    assert kv["free"] + kv["evictable"] == kv["total"], kv
 
 
 def test_served_model_name_and_chat_template_override(model_dir, launch, tmp_path):
