@@ -3,7 +3,9 @@
 Parsed once, checked once: an architecture or feature we do not implement is a ValueError here,
 at startup, rather than wrong tokens later. Both config dialects are read: transformers 5
 (`rope_parameters: {"rope_type", "rope_theta", ...}`, `dtype`) and older ones (top-level
-`rope_theta` + `rope_scaling`, `torch_dtype`).
+`rope_theta` + `rope_scaling`, `torch_dtype`). A GGUF file (or a directory holding one) has no
+config.json: `from_path` builds the same dict from its metadata (gguf.py); a GGUF sidecar
+directory (gguf.materialize) has a config.json and reads like any HF directory.
 """
 
 from __future__ import annotations
@@ -59,12 +61,28 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
+    def from_path(cls, path: str | Path) -> ModelConfig:
+        """From an HF directory (config.json), a GGUF sidecar directory (gguf.materialize:
+        also has one), a .gguf file, or a directory holding exactly one .gguf and no
+        config.json (the config is then built from the file's metadata)."""
+        path = Path(path)
+        if (path / "config.json").is_file():
+            cfg = json.loads((path / "config.json").read_text())
+            gen_path = path / "generation_config.json"
+            gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+            return cls.from_dict(cfg, gen)
+        from . import gguf
+        if (gguf_path := gguf.find_gguf(path)) is not None:
+            header = gguf.read_header(gguf_path)
+            return cls.from_dict(gguf.config_dict(header), gguf.generation_dict(header))
+        if not path.exists():
+            raise FileNotFoundError(f"model path {path} does not exist")
+        raise FileNotFoundError(f"{path} has neither a config.json nor a .gguf file")
+
+    @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        model_dir = Path(model_dir)
-        cfg = json.loads((model_dir / "config.json").read_text())
-        gen_path = model_dir / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
-        return cls.from_dict(cfg, gen)
+        """The same as from_path (the older name; it takes GGUF paths too)."""
+        return cls.from_path(model_dir)
 
     @classmethod
     def from_dict(cls, cfg: dict, generation: dict | None = None) -> ModelConfig:

@@ -1,13 +1,17 @@
-"""load_model: a Hugging Face checkpoint directory -> CausalLM on a device, in a dtype.
+"""load_model: a Hugging Face checkpoint directory or a GGUF file -> CausalLM on a device,
+in a dtype.
 
 The module is built on `meta` (no memory, no random init); each parameter is then allocated
 once on the target device and every checkpoint tensor is copied straight into its rows of
 it, so fusing q/k/v and gate/up costs no extra copy and peak host memory stays one tensor.
 Any checkpoint tensor we cannot place, or parameter left unfilled, is an error listing them.
+A GGUF file (or a directory holding one, or its sidecar from gguf.materialize) is read by
+gguf.py: config from its metadata, each tensor dequantized into the same parameters.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -29,19 +33,68 @@ _FUSED = {
 }
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device,
+def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.device,
                pack: bool | None = None) -> CausalLM:
-    """pack: lay the linear weights out for a CPU kernel (cpu_linear.py, else oneDNN's:
+    """model_path: an HF directory (config.json + *.safetensors), a .gguf file, a directory
+    holding exactly one .gguf (and no config.json), or a GGUF sidecar directory.
+    pack: lay the linear weights out for a CPU kernel (cpu_linear.py, else oneDNN's:
     packed.py); None: wherever one is available; False: keep plain nn.Linear."""
-    config = ModelConfig.from_dir(model_dir)
-    with torch.device("meta"):
+    from . import gguf
+
+    gguf_path = gguf.find_gguf(model_path)
+    header = gguf.read_header(gguf_path) if gguf_path is not None else None
+    if header is not None:
+        config = ModelConfig.from_dict(gguf.config_dict(header), gguf.generation_dict(header))
+    else:
+        config = ModelConfig.from_dir(model_path)
+    with torch.device("meta"), _skip_init():
         model = CausalLM(config)
     params = {name: torch.empty(p.shape, dtype=dtype, device=device)
               for name, p in model.named_parameters()}
-    targets = _checkpoint_targets(config, params)
+    rope_freqs = None
+    if header is not None:
+        rope_freqs = gguf.load_weights(header, config, params)
+    else:
+        _load_safetensors(Path(model_path), config, params)
 
+    model.load_state_dict(params, strict=True, assign=True)
+    if rope_freqs is not None:          # a GGUF's Llama 3 rope scaling, as llama.cpp applies it
+        model.cos_sin = gguf.rope_cos_sin(config, rope_freqs)
+    model.cos_sin = model.cos_sin.to(device=device, dtype=dtype)  # HF casts cos/sin to the dtype too
+    model.requires_grad_(False).eval()
+    layer = _cpu_linear_class(torch.device(device), dtype) if pack is not False else None
+    if pack and layer is None:
+        raise ValueError(f"no packed CPU linear layer for {dtype} on {device}")
+    if layer is not None:
+        if model.lm_head is None:           # tied: the head gets its own (packed) copy
+            model.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
+                                      device=device, dtype=dtype)
+            model.lm_head.weight.data = model.embed_tokens.weight.data
+        _replace_linears(model, layer)
+    return model
+
+
+@contextlib.contextmanager
+def _skip_init():
+    """No random init for modules built on `meta`: every value is loaded afterwards, and
+    nn.Embedding's normal_ on meta imports torch._dynamo (seconds on a busy machine)."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "zeros_", "ones_")
+    saved = {name: getattr(nn.init, name) for name in names}
+    for name in names:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def _load_safetensors(model_dir: Path, config: ModelConfig,
+                      params: dict[str, torch.Tensor]) -> None:
+    """Copy every tensor of the directory's safetensors files into its rows of params."""
+    targets = _checkpoint_targets(config, params)
     filled, unexpected = set(), []
-    for path in _safetensors_files(Path(model_dir)):
+    for path in _safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for key in f.keys():
                 if key.endswith("rotary_emb.inv_freq"):        # recomputed, not loaded
@@ -64,20 +117,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
                          f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "
                          f"unexpected tensors {sorted(unexpected)[:8]}"
                          f"{'...' if len(unexpected) > 8 else ''}")
-
-    model.load_state_dict(params, strict=True, assign=True)
-    model.cos_sin = model.cos_sin.to(device=device, dtype=dtype)  # HF casts cos/sin to the dtype too
-    model.requires_grad_(False).eval()
-    layer = _cpu_linear_class(torch.device(device), dtype) if pack is not False else None
-    if pack and layer is None:
-        raise ValueError(f"no packed CPU linear layer for {dtype} on {device}")
-    if layer is not None:
-        if model.lm_head is None:           # tied: the head gets its own (packed) copy
-            model.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
-                                      device=device, dtype=dtype)
-            model.lm_head.weight.data = model.embed_tokens.weight.data
-        _replace_linears(model, layer)
-    return model
 
 
 def _cpu_linear_class(device: torch.device, dtype: torch.dtype) -> type[nn.Module] | None:

@@ -1,0 +1,565 @@
+"""GGUF checkpoints (llama.cpp's single-file format) served as ordinary zserve models.
+
+This module owns everything zserve knows about a `.gguf` file:
+
+    path = find_gguf(model_path)          # the .gguf behind a file / directory / sidecar, or None
+    header = read_header(path)            # metadata + tensor table (no tensor data read)
+    cfg = config_dict(header)             # what config.json would say: ModelConfig.from_dict(cfg)
+    load_weights(header, config, params)  # dequantize every tensor into our parameters (loader.py)
+    sidecar = materialize(path)           # config + tokenizer files as an HF directory, cached
+
+Architectures: general.architecture "llama" (Llama, and Mistral, which llama.cpp converts
+as llama), "qwen2", "qwen3". Tensor types: whatever `gguf.quants.dequantize` can unpack
+(F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, the IQ types); weights are dequantized to
+float32 exactly as transformers' GGUF loader does (the same numpy code), then cast to the
+served dtype. Anything else is a ValueError with one line naming what is missing.
+
+llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel.modify_tensors) interleaves the
+rows of each head of q_proj and k_proj (weights and biases) for the "llama" architecture so
+that its RoPE can rotate adjacent pairs; `load_weights` undoes it. Qwen2/Qwen3 files are
+written unpermuted (Qwen2Model has no such step, and llama.cpp rotates them NeoX-style).
+Llama 3's rope scaling is stored as a `rope_freqs` tensor (one divisor per frequency), not
+as metadata: `rope_cos_sin` builds the table from it and the loader installs that.
+
+The header is read here rather than with `gguf.GGUFReader`, whose field parser builds a numpy
+view per string of the vocabulary and merge table (2-7 s for SmolLM2's 98k strings on this
+machine, more than the whole load budget); tests/test_gguf.py checks that both readers agree.
+
+The sidecar: only the scheduler needs the weights; the tokenizer, detokenizer and API
+processes need config.json and the tokenizer. `materialize` writes those once per GGUF
+(keyed by its path, size and mtime) into a cache directory, using transformers' own GGUF
+tokenizer conversion, plus `zserve_gguf.json` naming the file. Every process can then treat
+the sidecar as an HF directory, and load_model(sidecar) reads the weights from the GGUF.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import mmap
+import os
+import shutil
+import struct
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# general.architecture -> the HF architecture we build. Mistral GGUFs say "llama".
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+SIDECAR_FILE = "zserve_gguf.json"       # in a sidecar directory: which GGUF it stands for
+SIDECAR_VERSION = 1                     # bump when materialize writes something different
+_GGUF_MAGIC = b"GGUF"
+_DEFAULT_ALIGNMENT = 32
+
+# GGUF metadata value types (gguf.GGUFValueType): id -> struct format of a scalar.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+            12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+# ---------------------------------------------------------------------------------------
+# Finding the file
+
+
+def find_gguf(path: str | Path) -> Path | None:
+    """The GGUF file that model path `path` stands for, or None for an HF directory.
+
+    A `.gguf` file; a directory with no config.json and exactly one `*.gguf`; or a sidecar
+    directory written by `materialize` (its zserve_gguf.json names the file)."""
+    path = Path(path)
+    if path.is_file():
+        return path if path.suffix.lower() == ".gguf" else None
+    if not path.is_dir():
+        return None
+    if (path / SIDECAR_FILE).is_file():
+        return _sidecar_target(path)
+    if (path / "config.json").exists():
+        return None
+    found = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
+    if len(found) > 1:
+        raise ValueError(f"{path} holds {len(found)} .gguf files "
+                         f"({', '.join(p.name for p in found)}): pass one of them")
+    return found[0] if found else None
+
+
+def _sidecar_target(sidecar: Path) -> Path:
+    """The GGUF a sidecar stands for; an error if that file changed since it was written."""
+    info = json.loads((sidecar / SIDECAR_FILE).read_text())
+    target = Path(info["gguf_file"])
+    if not target.is_file():
+        raise FileNotFoundError(f"{sidecar}: its GGUF file {target} no longer exists")
+    if _file_key(target) != info.get("key"):
+        raise ValueError(f"{sidecar}: {target} changed since this sidecar was written; "
+                         f"pass the .gguf file itself to rebuild it")
+    return target
+
+
+# ---------------------------------------------------------------------------------------
+# Header
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]          # torch order: (rows, columns) for a matrix
+    ggml_type: int                  # gguf.GGMLQuantizationType value
+    offset: int                     # absolute, in the file
+    nbytes: int
+
+    @property
+    def type_name(self) -> str:
+        return _type_name(self.ggml_type)
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFHeader:
+    """A GGUF file's metadata and tensor table. String arrays (the vocabulary, the merges)
+    are kept as their length only: nothing in the scheduler needs their contents."""
+    path: Path
+    metadata: dict
+    tensors: dict[str, TensorInfo]
+    _buffer: mmap.mmap
+
+    def raw(self, info: TensorInfo) -> np.ndarray:
+        """The tensor's bytes (a view of the mapped file) shaped as gguf.quants.dequantize
+        expects: rows x bytes-per-row."""
+        arr = np.frombuffer(self._buffer, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
+        return arr.reshape(*info.shape[:-1], info.nbytes // max(rows, 1))
+
+    def dequantize(self, info: TensorInfo) -> np.ndarray:
+        """The tensor as float32 in torch order (the gguf library's dequantization; an F32
+        tensor is a read-only view of the file)."""
+        from gguf.quants import dequantize
+        return dequantize(self.raw(info), info.ggml_type).reshape(info.shape)
+
+
+def read_header(path: str | Path) -> GGUFHeader:
+    """Parse a GGUF file's metadata and tensor table (v2 and v3, little-endian)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    path = Path(path)
+    with open(path, "rb") as f:
+        try:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:                      # an empty file cannot be mapped
+            raise ValueError(f"{path}: empty file, not a GGUF file") from None
+    if buf[:4] != _GGUF_MAGIC:
+        raise ValueError(f"{path}: not a GGUF file (it does not start with b'GGUF')")
+    try:
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version not in (2, 3):
+            raise ValueError(f"{path}: GGUF version {version} is not supported "
+                             f"(zserve reads v2 and v3, little-endian)")
+        pos, metadata = 24, {}
+        for _ in range(n_kv):
+            key, pos = _read_str(buf, pos)
+            (vtype,) = struct.unpack_from("<I", buf, pos)
+            try:
+                metadata[key], pos = _read_value(buf, pos + 4, vtype)
+            except ValueError as exc:
+                raise ValueError(f"{path}: {exc} (key {key})") from None
+        entries = []
+        for _ in range(n_tensors):
+            name, pos = _read_str(buf, pos)
+            (n_dims,) = struct.unpack_from("<I", buf, pos)
+            dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+            ggml_type, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 12
+            entries.append((name, tuple(reversed(dims)), ggml_type, offset))
+    except struct.error:
+        raise ValueError(f"{path}: truncated or corrupt GGUF header") from None
+    align = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+    data_start = -(-pos // align) * align
+    tensors = {}
+    for name, shape, ggml_type, offset in entries:
+        try:
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        except (ValueError, KeyError):
+            raise ValueError(f"{path}: tensor {name} has ggml type {ggml_type}, which the gguf "
+                             f"library does not know; supported: {', '.join(supported_types())}"
+                             ) from None
+        n = int(np.prod(shape))
+        info = TensorInfo(name, shape, ggml_type, data_start + offset, n // block * type_size)
+        if info.offset + info.nbytes > len(buf):
+            raise ValueError(f"{path}: tensor {name} lies past the end of the file (truncated?)")
+        tensors[name] = info
+    return GGUFHeader(path, metadata, tensors, buf)
+
+
+def _read_str(buf, pos: int) -> tuple[str, int]:
+    (n,) = struct.unpack_from("<Q", buf, pos)
+    return buf[pos + 8:pos + 8 + n].decode("utf-8", errors="replace"), pos + 8 + n
+
+
+def _read_value(buf, pos: int, vtype: int):
+    if vtype in _SCALARS:
+        fmt = "<" + _SCALARS[vtype]
+        value = struct.unpack_from(fmt, buf, pos)[0]
+        if vtype == 6:          # float32: its shortest decimal (1e-06, not 9.99999997e-07)
+            value = float(str(np.float32(value)))
+        return value, pos + struct.calcsize(fmt)
+    if vtype == _STRING:
+        return _read_str(buf, pos)
+    if vtype == _ARRAY:
+        item_type, count = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        if item_type in _SCALARS:
+            fmt = f"<{count}{_SCALARS[item_type]}"
+            return list(struct.unpack_from(fmt, buf, pos)), pos + struct.calcsize(fmt)
+        if item_type == _STRING:                # walk past it; keep its length only
+            for _ in range(count):
+                pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
+            return count, pos
+    raise ValueError(f"unknown GGUF metadata value type {vtype}")
+
+
+def _type_name(ggml_type: int) -> str:
+    from gguf import GGMLQuantizationType
+    try:
+        return GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"type {ggml_type}"
+
+
+@functools.cache
+def supported_types() -> tuple[str, ...]:
+    """The ggml tensor types the installed gguf library can dequantize (probed: one block
+    of zeros each)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    names = []
+    for t in GGMLQuantizationType:
+        block, type_size = GGML_QUANT_SIZES.get(t, (0, 0))
+        if not block:
+            continue
+        try:
+            out = dequantize(np.zeros((1, type_size), dtype=np.uint8), t)
+        except (NotImplementedError, ValueError, TypeError):
+            continue
+        if out.dtype == np.float32:
+            names.append(t.name)
+    return tuple(names)
+
+
+# ---------------------------------------------------------------------------------------
+# Config
+
+
+def config_dict(header: GGUFHeader) -> dict:
+    """The config.json (plus generation eos ids) that this GGUF's metadata describes, in
+    transformers 5's dialect; ModelConfig.from_dict checks what we can serve."""
+    meta, tensors, name = header.metadata, header.tensors, header.path.name
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{name}: unsupported GGUF architecture {arch!r}: zserve supports "
+                         f"{sorted(ARCHITECTURES)} (Mistral files are 'llama')")
+    if int(meta.get("split.count", 1)) > 1:
+        raise ValueError(f"{name}: split GGUF files are not supported; merge them first "
+                         f"(llama-gguf-split --merge)")
+
+    def get(key, default=KeyError):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is KeyError:
+            raise ValueError(f"{name}: GGUF metadata has no {arch}.{key}")
+        if isinstance(value, list):             # per-layer values: only uniform ones
+            if len(set(value)) != 1:
+                raise ValueError(f"{name}: per-layer {arch}.{key} is not supported")
+            value = value[0]
+        return value
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise ValueError(f"{name}: key_length != value_length is not supported")
+    rope_dim = int(get("rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(f"{name}: partial rotary embeddings (rope.dimension_count {rope_dim} "
+                         f"< head dim {head_dim}) are not supported")
+    vocab = meta.get("tokenizer.ggml.tokens")   # its length, see GGUFHeader
+    if not isinstance(vocab, int):              # no tokenizer in the file
+        vocab = meta.get(f"{arch}.vocab_size")
+        if vocab is None and "token_embd.weight" not in tensors:
+            raise ValueError(f"{name}: neither a vocabulary nor a token_embd.weight tensor")
+        vocab = int(vocab or tensors["token_embd.weight"].shape[0])
+    rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
+    scaling = get("rope.scaling.type", "none")
+    if scaling not in ("none", None):           # linear / yarn / longrope: refused by config.py
+        rope.update(rope_type=scaling, factor=float(get("rope.scaling.factor", 1.0)))
+        if (orig := get("rope.scaling.original_context_length", None)) is not None:
+            rope["original_max_position_embeddings"] = int(orig)
+    types = {t.ggml_type for n, t in tensors.items() if n.endswith(".weight")}
+    dtype = {frozenset([0]): "float32", frozenset([0, 1]): "float16", frozenset([1]): "float16",
+             frozenset([0, 30]): "bfloat16", frozenset([30]): "bfloat16"}.get(frozenset(types))
+
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    cfg = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(get("context_length")),
+        "rope_parameters": rope,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos,
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+    }
+    if arch == "llama":
+        cfg["mlp_bias"] = "blk.0.ffn_gate.bias" in tensors
+    else:
+        cfg["use_sliding_window"] = False
+    if dtype is not None:
+        cfg["dtype"] = dtype
+    return cfg
+
+
+def generation_dict(header: GGUFHeader) -> dict:
+    """generation_config.json: eos_token_id also lists llama.cpp's other end-of-generation
+    tokens (end of turn, end of message: Llama 3's <|eot_id|>, <|eom_id|>)."""
+    meta = header.metadata
+    eos = [meta[f"tokenizer.ggml.{k}_token_id"] for k in ("eos", "eot", "eom")
+           if f"tokenizer.ggml.{k}_token_id" in meta]
+    gen = {"eos_token_id": list(dict.fromkeys(int(i) for i in eos))}
+    for key in ("bos", "padding"):
+        if (value := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None:
+            gen["pad_token_id" if key == "padding" else "bos_token_id"] = int(value)
+    return gen
+
+
+# ---------------------------------------------------------------------------------------
+# Weights
+
+
+def parameter_targets(config) -> dict[str, tuple[str, slice]]:
+    """GGUF tensor name -> (our parameter name, the rows of it that tensor fills)."""
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    targets = {"token_embd.weight": ("embed_tokens.weight", slice(None)),
+               "output_norm.weight": ("norm.weight", slice(None))}
+    if not config.tie_word_embeddings:
+        targets["output.weight"] = ("lm_head.weight", slice(None))
+    kinds = ("weight", "bias")
+    for i in range(config.num_layers):
+        blk, ours = f"blk.{i}.", f"layers.{i}."
+        parts = {
+            "attn_norm": ("input_layernorm", None, ("weight",)),
+            "ffn_norm": ("post_attention_layernorm", None, ("weight",)),
+            "attn_q": ("self_attn.qkv_proj", slice(0, q), kinds),
+            "attn_k": ("self_attn.qkv_proj", slice(q, q + kv), kinds),
+            "attn_v": ("self_attn.qkv_proj", slice(q + kv, q + 2 * kv), kinds),
+            "attn_output": ("self_attn.o_proj", None, kinds),
+            "attn_q_norm": ("self_attn.q_norm", None, ("weight",)),
+            "attn_k_norm": ("self_attn.k_norm", None, ("weight",)),
+            "ffn_gate": ("mlp.gate_up_proj", slice(0, inter), kinds),
+            "ffn_up": ("mlp.gate_up_proj", slice(inter, 2 * inter), kinds),
+            "ffn_down": ("mlp.down_proj", None, kinds),
+        }
+        for gguf_part, (module, rows, allowed) in parts.items():
+            for kind in allowed:
+                targets[f"{blk}{gguf_part}.{kind}"] = (f"{ours}{module}.{kind}",
+                                                       rows or slice(None))
+    return targets
+
+
+def load_weights(header: GGUFHeader, config,
+                 params: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """Dequantize every tensor of the file into its rows of `params` (allocated, any dtype
+    and device). Returns the rope_freqs tensor (float32) if the file has one, else None.
+    Raises ValueError naming missing / unexpected / mistyped tensors before reading any."""
+    from tqdm import tqdm
+
+    name = header.path.name
+    targets = {k: v for k, v in parameter_targets(config).items() if v[0] in params}
+    extra = {"rope_freqs.weight"} if config.family in ("llama", "mistral") else set()
+    unexpected = sorted(set(header.tensors) - set(targets) - extra)
+    missing = sorted(set(targets) - set(header.tensors))
+    if missing or unexpected:
+        raise ValueError(f"{name} does not match {config.architecture}: missing tensors "
+                         f"{_few(missing)}, unexpected tensors {_few(unexpected)}")
+    check_types(header)
+    if "rope_freqs.weight" in header.tensors and \
+            header.tensors["rope_freqs.weight"].shape != (config.head_dim // 2,):
+        raise ValueError(f"{name}: rope_freqs.weight has shape "
+                         f"{header.tensors['rope_freqs.weight'].shape}, expected "
+                         f"({config.head_dim // 2},)")
+    for key, (param, rows) in targets.items():
+        want = tuple(params[param][rows].shape)
+        if header.tensors[key].shape != want:
+            raise ValueError(f"{name}: {key} has shape {header.tensors[key].shape}, expected "
+                             f"{want} for {config.architecture}")
+
+    # llama.cpp's LlamaModel.permute: rows h*D + s*D/2 + i (s: half, i < D/2) were written
+    # at h*D + 2*i + s. Reading [h, D/2, 2] back as [h, 2, D/2] undoes it.
+    unpermute = {}
+    if config.family in ("llama", "mistral"):
+        for i in range(config.num_layers):
+            for part, n_heads in (("attn_q", config.num_heads), ("attn_k", config.num_kv_heads)):
+                for kind in ("weight", "bias"):
+                    unpermute[f"blk.{i}.{part}.{kind}"] = n_heads
+
+    def load_one(key: str) -> int:
+        info = header.tensors[key]
+        param, rows = targets[key]
+        values = header.dequantize(info)
+        src = torch.from_numpy(values if values.flags.writeable else values.copy())
+        dst = params[param][rows]
+        if key in unpermute:
+            h, d = unpermute[key], config.head_dim
+            rest = tuple(src.shape[1:])
+            src = src.reshape(h, d // 2, 2, *rest).transpose(1, 2).reshape(src.shape)
+        dst.copy_(src)
+        return info.nbytes
+
+    order = sorted(targets, key=lambda k: -header.tensors[k].nbytes)     # big ones first
+    total = sum(header.tensors[k].nbytes for k in order)
+    workers = max(1, min(4, os.cpu_count() or 1))
+    with tqdm(total=total, desc=f"Loading {name}", unit="B", unit_scale=True,
+              delay=1.0, leave=True) as bar, ThreadPoolExecutor(workers) as pool:
+        for nbytes in pool.map(load_one, order):    # numpy and torch release the GIL
+            bar.update(nbytes)
+    rope_freqs = header.tensors.get("rope_freqs.weight")
+    return torch.from_numpy(header.dequantize(rope_freqs).copy()) if rope_freqs else None
+
+
+def check_types(header: GGUFHeader) -> None:
+    """A ValueError naming the first tensor whose type the gguf library cannot dequantize."""
+    ok = supported_types()
+    for info in header.tensors.values():
+        if info.type_name not in ok:
+            raise ValueError(f"{header.path.name}: tensor {info.name} has type {info.type_name}, "
+                             f"which the gguf library cannot dequantize; supported: "
+                             f"{', '.join(ok)}")
+
+
+def rope_cos_sin(config, rope_freqs: torch.Tensor) -> torch.Tensor:
+    """The [max_positions, head_dim] cos|sin table with llama.cpp's per-frequency divisors
+    (its rope_freqs tensor: how convert_hf_to_gguf stores Llama 3's rope scaling)."""
+    from .llama import rope_inv_freq
+
+    inv_freq = rope_inv_freq(config) / rope_freqs.float()
+    freqs = torch.outer(torch.arange(config.max_position_embeddings).float(), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def _few(names: list[str], n: int = 8) -> str:
+    return f"{names[:n]}{'...' if len(names) > n else ''}"
+
+
+# ---------------------------------------------------------------------------------------
+# Sidecar
+
+
+def _file_key(path: Path) -> str:
+    st = path.stat()
+    raw = f"{SIDECAR_VERSION}\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def default_cache_root() -> Path:
+    """Where sidecars live by default: $ZSERVE_CACHE/gguf (else ~/.cache/zserve/gguf)."""
+    from checkpoints.tiny import default_cache_root as zserve_cache
+    return zserve_cache() / "gguf"
+
+
+def materialize(gguf_path: str | Path, cache_root: str | Path | None = None) -> Path:
+    """The sidecar directory for a GGUF file (or a directory holding one), built on first
+    use: config.json, generation_config.json, the tokenizer files (transformers' GGUF
+    tokenizer, saved with save_pretrained; the chat template included) and zserve_gguf.json.
+
+    Keyed by the file's resolved path, size and mtime; built under a temporary name and
+    renamed into place, so concurrent callers are safe and a sidecar is never half-written.
+    An unsupported architecture or tensor type is refused here, before anything is built."""
+    path = find_gguf(gguf_path) if Path(gguf_path).is_dir() else Path(gguf_path)
+    if path is None:
+        raise ValueError(f"{gguf_path}: no .gguf file there")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    path = path.resolve()
+    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    root = root.expanduser().absolute()
+    key = _file_key(path)
+    final = root / f"{path.stem}-{key}"
+    if (final / SIDECAR_FILE).is_file():
+        return final
+
+    header = read_header(path)
+    cfg = config_dict(header)
+    gen = generation_dict(header)
+    from .config import ModelConfig
+    config = ModelConfig.from_dict(cfg, gen)        # refuse what we cannot serve, now
+    check_types(header)
+
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+    try:
+        os.chmod(tmp, 0o755)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        _save_tokenizer(path, tmp, config)
+        (tmp / SIDECAR_FILE).write_text(json.dumps({
+            "gguf_file": str(path), "key": key, "size": path.stat().st_size,
+            "sidecar_version": SIDECAR_VERSION, "created": time.time()}, indent=2) + "\n")
+        try:
+            os.rename(tmp, final)
+        except OSError:                 # another process won the race: keep theirs
+            if not (final / SIDECAR_FILE).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _save_tokenizer(path: Path, out: Path, config) -> None:
+    """transformers' tokenizer for the GGUF (AutoTokenizer with gguf_file=), saved into out,
+    less any token it added past the model's vocabulary. The chat template goes into
+    tokenizer_config.json too (transformers 5 saves it as chat_template.jinja)."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()      # "some keys were not parsed" noise
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:            # transformers raises many types; say which file
+        raise ValueError(f"{path.name}: transformers cannot build its tokenizer: "
+                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                         ) from exc
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    tok.save_pretrained(str(out))
+    # transformers' byte-level GGUF tokenizer adds GPT-2's "<|endoftext|>" when the vocabulary
+    # lacks it, at an id past the model's embedding (ids the model cannot take): drop them.
+    tj_path, tc_path = out / "tokenizer.json", out / "tokenizer_config.json"
+    tj, tc = json.loads(tj_path.read_text()), json.loads(tc_path.read_text())
+    dropped = {t["content"] for t in tj.get("added_tokens", []) if t["id"] >= config.vocab_size}
+    if dropped:
+        tj["added_tokens"] = [t for t in tj["added_tokens"] if t["content"] not in dropped]
+        tj_path.write_text(json.dumps(tj, indent=2, ensure_ascii=False) + "\n")
+        for key, value in list(tc.items()):
+            if isinstance(value, str) and value in dropped:
+                tc[key] = None
+            elif isinstance(value, list):
+                tc[key] = [v for v in value if v not in dropped]
+    if tok.chat_template and "chat_template" not in tc:     # where older readers look
+        tc["chat_template"] = tok.chat_template
+    tc_path.write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
+    n = len(AutoTokenizer.from_pretrained(str(out)))
+    if n > config.vocab_size:
+        raise ValueError(f"{path.name}: its tokenizer has {n} tokens, more than the model's "
+                         f"vocabulary of {config.vocab_size}")
