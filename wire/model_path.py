@@ -93,17 +93,51 @@ def _from_hub(repo_id: str) -> str:
             f".gguf file") from None
 
 
+RANDOM_WEIGHTS_MARKER = "RANDOM_WEIGHTS.txt"   # written by checkpoints/tiny.py
+
+
 @dataclass(frozen=True, slots=True)
 class ModelFacts:
     """What the launcher needs to know of a model before any process loads it."""
 
+    architecture: str
     max_position_embeddings: int
     sliding_window: int | None
+    num_params: int
+    random_weights: bool            # one of our tiny test checkpoints
 
 
 def model_facts(path: str) -> ModelFacts:
     """From config.json (the same defaults as scheduler_proc/models/config.py)."""
     config = json.loads((Path(path) / "config.json").read_text())
-    mistral = "MistralForCausalLM" in (config.get("architectures") or [])
-    return ModelFacts(int(config.get("max_position_embeddings", 2048)),
-                      config.get("sliding_window") if mistral else None)
+    arch = next((a for a in config.get("architectures") or [] if a in SUPPORTED_ARCHITECTURES),
+                str(config.get("architectures")))
+    return ModelFacts(arch, int(config.get("max_position_embeddings", 2048)),
+                      config.get("sliding_window") if arch == "MistralForCausalLM" else None,
+                      _num_params(config),
+                      (Path(path) / RANDOM_WEIGHTS_MARKER).exists())
+
+
+def _num_params(c: dict) -> int:
+    """Parameters of a Llama-family decoder with this config."""
+    hidden, vocab, inter = c["hidden_size"], c["vocab_size"], c["intermediate_size"]
+    heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or hidden // heads
+    kv = (c.get("num_key_value_heads") or heads) * head_dim
+    q = heads * head_dim
+    layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter + 2 * hidden
+    if "Qwen3ForCausalLM" in (c.get("architectures") or []):
+        layer += 2 * head_dim                              # q_norm, k_norm
+    embeddings = vocab * hidden * (1 if c.get("tie_word_embeddings") else 2)
+    return c["num_hidden_layers"] * layer + embeddings + hidden
+
+
+def describe_source(arg: str | None, resolved: str) -> str:
+    """How the user named the model, for the startup banner."""
+    if arg is None:
+        return "the built-in default model"
+    if resolved.endswith(".gguf") or Path(resolved, "zserve_gguf.json").exists():
+        return "GGUF file"
+    if not Path(arg).expanduser().exists():
+        return f"hub id {arg}"
+    return "model directory"

@@ -83,6 +83,9 @@ class ServerArgs:
                                    "take to finish before they are aborted.")
     log_level: str = _opt("info", "Log level.",
                           choices=["debug", "info", "warning", "error", "critical"])
+    # ---- resolved by the launcher from the model, not flags ----
+    model_source: str = field(default="", metadata={"cli": False})   # for the banner
+    num_params: int = field(default=0, metadata={"cli": False})
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
@@ -92,6 +95,8 @@ class ServerArgs:
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
+            if f.metadata.get("cli") is False:
+                continue
             flag = "--" + f.name.replace("_", "-")
             meta = {**f.metadata, "help": f.metadata["help"].replace("%", "%%")}
             kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],)
