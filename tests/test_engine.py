@@ -49,17 +49,20 @@ def wait_idle(server) -> dict:
     return wait(server)
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def family(request):
-    return request.param
+# Every engine configuration on one family, every family on the default configuration:
+# the configurations exercise the scheduler, the families the model file, and each
+# server launch costs seconds.
+SERVERS = [("llama", config) for config in CONFIGS] + \
+    [(family, "radix") for family in FAMILIES if family != "llama"]
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def server(request, family, tiny_model, tmp_path_factory):
-    flags, env = CONFIGS[request.param]
+@pytest.fixture(scope="module", params=SERVERS, ids=[f"{f}-{c}" for f, c in SERVERS])
+def server(request, tiny_model, tmp_path_factory):
+    family, config = request.param
+    flags, env = CONFIGS[config]
     with serving(tiny_model(family), *flags, tmpdir=tmp_path_factory.mktemp("srv"),
                  env=env) as s:
-        s.config = request.param
+        s.config = config
         s.model_dir = tiny_model(family)
         yield s
 

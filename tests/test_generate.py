@@ -44,7 +44,11 @@ def server(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def incremental_server(model_dir, tmp_path_factory):
+def incremental_server(family, model_dir, tmp_path_factory):
+    """--incremental-streaming-output is API-side framing: one family covers it (a server
+    launch per family would cost seconds and test the same code)."""
+    if family != "llama":
+        pytest.skip("incremental streaming is checked on llama")
     with serving(model_dir, "--incremental-streaming-output",
                  tmpdir=tmp_path_factory.mktemp("srv")) as s:
         yield s
