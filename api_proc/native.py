@@ -6,15 +6,15 @@ list of GenerateRequests in output order (prompt-major when n > 1).
 
 from __future__ import annotations
 
-import asyncio
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from api_proc.boundary import BadRequest, JSONResponse, error_response, read_json
+from api_proc.pipeline import Pipeline, Prompt, expand, settle
 from api_proc.state import Dispatcher, RequestState, SubmitError
 from api_proc.streaming import DONE, SSEResponse, changes, sse
 from wire.messages import MAX_TOP_LOGPROBS, GenerateRequest, LogprobRequest
@@ -72,10 +72,6 @@ def _check_fields(body: dict) -> None:
     if unsupported:
         raise BadRequest(f"Field(s) not supported by zserve: {', '.join(unsupported)} "
                          f"(only null or the default value is accepted).")
-
-
-def _raise(message: str, status: int) -> None:
-    raise BadRequest(message, status)
 
 
 @dataclass(slots=True)
@@ -150,24 +146,9 @@ def parse_generate(body: Any) -> ParsedGenerate:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("stream must be a boolean.")
-    ns = [p.n for p in params]
-    rids = _rids(body, len(prompts), ns, is_batch)
-    reqs, warmups = [], []
-    for prompt, p, n in zip(prompts, params, ns):
-        one = replace(p, n=1)
-        if n > 1:
-            warmups.append(GenerateRequest(
-                rid=uuid.uuid4().hex, text=prompt if kind == "text" else None,
-                input_ids=prompt if kind == "input_ids" else None,
-                sampling=replace(one, max_new_tokens=0)))
-        for j in range(n):
-            # With a seed, sample j draws with seed + j: reproducible, yet the n differ.
-            seeded = one if one.sampling_seed is None or n == 1 else \
-                replace(one, sampling_seed=(one.sampling_seed + j) % 2**64)
-            reqs.append(GenerateRequest(
-                rid=rids[len(reqs)], text=prompt if kind == "text" else None,
-                input_ids=prompt if kind == "input_ids" else None, sampling=seeded,
-                stream=stream, logprob=logprob))
+    rids = _rids(body, len(prompts), [p.n for p in params], is_batch)
+    reqs, warmups = expand([Prompt(text=p) if kind == "text" else Prompt(input_ids=p)
+                            for p in prompts], params, rids, stream=stream, logprob=logprob)
     return ParsedGenerate(reqs, is_batch or len(reqs) > 1, stream, text_in_logprobs, warmups)
 
 
@@ -188,43 +169,6 @@ def _logprob(body: dict) -> tuple[LogprobRequest | None, bool]:
     return (LogprobRequest(top_logprobs_num=top, start_len=start) if want else None), text
 
 
-async def wait_disconnect(request: Request) -> None:
-    """Returns when the client goes away (the body has been read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def unless_disconnect(request: Request, work) -> bool:
-    """Run `work` unless the client disconnects first. True if it completed (its exception,
-    if any, propagates); False if the client left and `work` was cancelled."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(wait_disconnect(request))
-    try:
-        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if not task.done():
-        task.cancel()
-        return False
-    task.result()
-    return True
-
-
-async def settle(request: Request, dispatcher: Dispatcher, states: list[RequestState], waits,
-                 error=error_response) -> Response | None:
-    """Await `waits` (one per state, drained concurrently) unless the client leaves.
-    Returns the response that ends the request early (499 when the client left, the
-    first item's HTTP error when one was rejected; the rest are aborted), or None to go on."""
-    if not await unless_disconnect(request, asyncio.gather(*waits)):
-        dispatcher.abort_unfinished(states)
-        return Response(status_code=499)
-    failed = next((s for s in states if s.error is not None), None)
-    if failed is not None:
-        dispatcher.abort_unfinished(states)
-        return error(failed.error.message, failed.error.status_code)
-    return None
-
-
 def item_json(state: RequestState, incremental: bool = False) -> dict:
     """The response object of one item: cumulative, or (incremental streaming) what was
     taken since the previous frame."""
@@ -239,33 +183,14 @@ class GenerateHandler:
     def __init__(self, dispatcher: Dispatcher, incremental_streaming: bool,
                  share_prompts: bool = True, send_timeout: float = 60.0):
         self.dispatcher = dispatcher
+        self.pipeline = Pipeline(dispatcher, share_prompts)
         self.incremental = incremental_streaming
-        self.share_prompts = share_prompts      # the radix cache is on: warm up n > 1
         self.send_timeout = send_timeout
-
-    async def warm_up(self, request: Request, parsed: ParsedGenerate) -> float | None:
-        """Prefill the prompts of n > 1 requests once. Returns when the warm-up started (the
-        samples' latencies count from there), or None if there was nothing to do."""
-        if not (parsed.warmups and self.share_prompts):
-            return None
-        states = self.dispatcher.submit(parsed.warmups)
-        started = min(s.timing.created_at for s in states)
-        early = await settle(request, self.dispatcher, states,
-                             [s.wait_finished() for s in states], error=_raise)
-        if early is not None:                   # the client left
-            raise BadRequest("The client went away.", 499)
-        return started
 
     async def handle(self, request: Request) -> Response:
         try:
             parsed = parse_generate(await read_json(request))
-            if self.dispatcher.lost:
-                raise BadRequest(f"Server unhealthy: {self.dispatcher.lost}", 503)
-            started = await self.warm_up(request, parsed)
-            states = self.dispatcher.submit(parsed.requests)
-            if started is not None:
-                for st in states:
-                    st.timing.created_at = started
+            states = await self.pipeline.start(request, parsed.requests, parsed.warmups)
             for st in states:
                 st.text_in_logprobs = parsed.text_in_logprobs
         except (BadRequest, SubmitError) as e:

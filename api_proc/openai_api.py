@@ -33,7 +33,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
@@ -41,12 +41,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from api_proc.boundary import BadRequest, JSONResponse, read_json
-from api_proc.native import settle
+from api_proc.pipeline import Pipeline, Prompt, expand, settle
 from api_proc.state import Dispatcher, RequestState, SubmitError
 from api_proc.streaming import DONE, SSEResponse, changes, sse
 from wire.messages import (MAX_TOP_LOGPROBS, ChatMessage, FinishReason, GenerateRequest,
                            LogprobRequest, Logprobs, TextOutput)
-from wire.sampling import SamplingParams
+from wire.sampling import SamplingError, SamplingParams
 from wire.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,7 @@ class ParsedOpenAI:
     include_usage: bool
     logprobs: int | None         # completions: top k; chat: top_logprobs (None: no logprobs)
     echo: list[str | list[int]] | None = None   # completions with echo: each prompt
+    warmups: list[GenerateRequest] = field(default_factory=list)   # n > 1: see pipeline.py
 
 
 def _check_model(body: dict, model_id: str) -> None:
@@ -151,9 +152,9 @@ def _sampling(body: dict, max_tokens_key: str | None,
               default_max_tokens: int | None) -> SamplingParams:
     """The SGLang sampling dict from the OpenAI fields, validated by from_json."""
     raw: dict[str, Any] = {}
-    for field, key in SAMPLING_FIELDS.items():
-        if body.get(field) is not None:
-            raw[key] = body[field]
+    for name, key in SAMPLING_FIELDS.items():
+        if body.get(name) is not None:
+            raw[key] = body[name]
     max_tokens = body.get(max_tokens_key) if max_tokens_key else None
     if max_tokens is None:
         max_tokens = default_max_tokens
@@ -161,30 +162,10 @@ def _sampling(body: dict, max_tokens_key: str | None,
         raw["max_new_tokens"] = max_tokens
     try:
         return SamplingParams.from_json(raw)
-    except ValueError as e:
-        raise OpenAIError(str(e), param=_param_of(str(e), max_tokens_key)) from None
-
-
-def _param_of(message: str, max_tokens_key: str | None) -> str | None:
-    """The OpenAI field a SamplingParams message is about, when it names one."""
-    names = {v: k for k, v in SAMPLING_FIELDS.items()}
-    names["max_new_tokens"] = max_tokens_key or "max_tokens"
-    for key, field in names.items():
-        if message.startswith(key + " ") or f"sampling_params.{key}" in message or \
-                f"'{key}'" in message:
-            return field
-    return None
-
-
-def _per_sample(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """n=1 copies; with a seed, sample j gets seed + j so the samples differ."""
-    out = []
-    for j in range(n):
-        seed = params.sampling_seed
-        if seed is not None and j > 0:
-            seed = (seed + j) % 2**64
-        out.append(replace(params, n=1, sampling_seed=seed))
-    return out
+    except SamplingError as e:      # name the OpenAI field the sampling key came from
+        names = {v: k for k, v in SAMPLING_FIELDS.items()}
+        names["max_new_tokens"] = max_tokens_key or "max_tokens"
+        raise OpenAIError(str(e), param=names.get(e.key)) from None
 
 
 def _is_ids(x: Any) -> bool:
@@ -229,15 +210,13 @@ def parse_completion(body: Any, model_id: str) -> ParsedOpenAI:
     logprob_req = None
     if logprobs is not None:
         logprob_req = LogprobRequest(top_logprobs_num=logprobs, start_len=0 if echo else -1)
-    reqs, base = [], uuid.uuid4().hex
-    for prompt in prompts:
-        for one in _per_sample(params, params.n):
-            reqs.append(GenerateRequest(
-                rid=f"cmpl-{base}_{len(reqs)}", text=prompt if isinstance(prompt, str) else None,
-                input_ids=None if isinstance(prompt, str) else prompt, sampling=one,
-                stream=stream, logprob=logprob_req))
+    base = uuid.uuid4().hex
+    rids = [f"cmpl-{base}_{i}" for i in range(len(prompts) * params.n)]
+    reqs, warmups = expand([Prompt(text=p) if isinstance(p, str) else Prompt(input_ids=p)
+                            for p in prompts], [params] * len(prompts), rids,
+                           stream=stream, logprob=logprob_req)
     return ParsedOpenAI(reqs, params.n, stream, include_usage, logprobs,
-                        echo=prompts if echo else None)
+                        echo=prompts if echo else None, warmups=warmups)
 
 
 def _content_text(content: Any, i: int) -> str:
@@ -307,11 +286,10 @@ def parse_chat(body: Any, model_id: str, context_length: int) -> ParsedOpenAI:
     params = _sampling(body, key, context_length - 1 if unset else None)
     logprob_req = None if logprobs is None else LogprobRequest(top_logprobs_num=logprobs)
     base = uuid.uuid4().hex
-    reqs = [GenerateRequest(rid=f"chatcmpl-{base}_{j}", text=None, input_ids=None,
-                            sampling=one, stream=stream, messages=messages,
-                            logprob=logprob_req, fit_context=unset)
-            for j, one in enumerate(_per_sample(params, params.n))]
-    return ParsedOpenAI(reqs, params.n, stream, include_usage, logprobs)
+    reqs, warmups = expand([Prompt(messages=messages)], [params],
+                           [f"chatcmpl-{base}_{j}" for j in range(params.n)], stream=stream,
+                           logprob=logprob_req, fit_context=unset)
+    return ParsedOpenAI(reqs, params.n, stream, include_usage, logprobs, warmups=warmups)
 
 
 # ---- consuming outputs -----------------------------------------------------------------------
@@ -349,11 +327,14 @@ def _matched_stop(finish: FinishReason | None) -> int | str | None:
 
 
 def _usage(choices: list[_Choice], n: int) -> dict:
-    """Prompt tokens count once per prompt, not once per sample."""
+    """Prompt tokens count once per prompt, not once per sample; cached tokens (OpenAI's
+    prompt_tokens_details) count every sample's prefix-cache hits."""
     prompt = sum(c.state.last.prompt_tokens for c in choices if c.index % n == 0)
     completion = sum(c.state.last.completion_tokens for c in choices)
+    cached = sum(c.state.last.cached_tokens for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _lp(value: float | None) -> float | None:
@@ -407,9 +388,9 @@ def chat_logprobs(lp: Logprobs) -> dict:
 
 
 class _LocalTokenizer:
-    """The API process's own tokenizer, loaded on first use and run on one thread (HF fast
-    tokenizers are not safe to share across threads). Used only for the text of token-id
-    prompts that a completion with echo must prepend."""
+    """The API process's own tokenizer (tokenizer_proc.hf_tokenizer: no transformers, no
+    torch), loaded on first use and run on one thread, off the event loop. Used only for the
+    text of token-id prompts that a completion with echo must prepend."""
 
     def __init__(self, args: ServerArgs):
         self.args = args
@@ -418,10 +399,8 @@ class _LocalTokenizer:
 
     def _load(self):
         if self.tok is None:
-            from tokenizer_proc.process import Tokenizer, load_chat_template
-            self.tok = Tokenizer(self.args.resolved_tokenizer_path, 0,
-                                 self.args.context_length,
-                                 load_chat_template(self.args.chat_template))
+            from tokenizer_proc.hf_tokenizer import HFTokenizer
+            self.tok = HFTokenizer.from_dir(self.args.resolved_tokenizer_path)
         return self.tok
 
     async def _run(self, fn, *a):
@@ -432,7 +411,7 @@ class _LocalTokenizer:
     async def decode(self, ids: list[int]) -> str:
         def decode(t, x):
             try:
-                return t.tok.decode(x, skip_special_tokens=False)
+                return t.decode(x, skip_special_tokens=False)
             except Exception as e:     # e.g. an id outside the vocabulary
                 raise OpenAIError(f"The prompt's token ids cannot be decoded: {e}",
                                   param="prompt") from None
@@ -446,6 +425,7 @@ class OpenAIHandler:
     def __init__(self, args: ServerArgs, dispatcher: Dispatcher):
         self.args = args
         self.dispatcher = dispatcher
+        self.pipeline = Pipeline(dispatcher, not args.disable_radix_cache)
         self.created = int(time.time())
         self.tokenizer = _LocalTokenizer(args)
 
@@ -474,9 +454,7 @@ class OpenAIHandler:
             else:
                 parsed = parse_completion(body, self.args.model_id)
             echo = await self._echo_texts(parsed)
-            if self.dispatcher.lost:
-                raise OpenAIError(f"Server unhealthy: {self.dispatcher.lost}", 503)
-            states = self.dispatcher.submit(parsed.requests)
+            states = await self.pipeline.start(request, parsed.requests, parsed.warmups)
         except OpenAIError as e:
             return error_response(str(e), e.status, e.param)
         except (BadRequest, SubmitError) as e:

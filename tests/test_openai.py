@@ -128,7 +128,12 @@ def test_completion_stream_matches_unary(client, model):
     assert [c.choices[0].finish_reason for c in text_chunks][-1] == \
         unary.choices[0].finish_reason
     assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
-    assert usage_chunk.choices == [] and usage_chunk.usage == unary.usage
+    assert usage_chunk.choices == []
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [getattr(usage_chunk.usage, k) for k in counts] == \
+        [getattr(unary.usage, k) for k in counts]
+    # The stream ran second: its prompt was served from the prefix cache.
+    assert usage_chunk.usage.prompt_tokens_details.cached_tokens > 0
 
 
 def test_completion_stop_string(client, model):
@@ -201,7 +206,8 @@ def test_chat_content_parts_join_texts(client, model):
     a = client.chat.completions.create(model=model, messages=parts, **GREEDY)
     b = client.chat.completions.create(model=model, messages=joined, **GREEDY)
     assert a.choices[0].message.content == b.choices[0].message.content
-    assert a.usage == b.usage
+    assert (a.usage.prompt_tokens, a.usage.completion_tokens) == \
+        (b.usage.prompt_tokens, b.usage.completion_tokens)
 
 
 def test_chat_stream_deltas_concatenate_to_unary(client, model):
@@ -216,7 +222,12 @@ def test_chat_stream_deltas_concatenate_to_unary(client, model):
     assert all(c.choices[0].finish_reason is None for c in choice_chunks[:-1])
     text = "".join(c.choices[0].delta.content or "" for c in choice_chunks)
     assert text == unary.choices[0].message.content
-    assert usage_chunk.choices == [] and usage_chunk.usage == unary.usage
+    assert usage_chunk.choices == []
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [getattr(usage_chunk.usage, k) for k in counts] == \
+        [getattr(unary.usage, k) for k in counts]
+    # The stream ran second: its prompt was served from the prefix cache.
+    assert usage_chunk.usage.prompt_tokens_details.cached_tokens > 0
 
 
 def test_chat_stream_without_usage_has_no_usage_chunk(client, model):
@@ -400,3 +411,37 @@ def test_served_model_name_and_chat_template_override(model_dir, launch, tmp_pat
         with pytest.raises(openai.NotFoundError):
             c.chat.completions.create(model=str(model_dir), max_tokens=2,
                                       messages=[{"role": "user", "content": "x"}])
+
+
+# ---- one pipeline for both routes (native and OpenAI) ---------------------------------------
+
+def test_n_samples_share_the_prompt_kv_on_both_routes(server, client, model):
+    """n > 1 first prefills the prompt once (a warm-up), so every sample finds all but the
+    prompt's last token in the prefix cache: on /generate and on the OpenAI routes alike."""
+    ids = [7 + (i * 37) % 500 for i in range(40)]           # a prompt no other test sends
+    outs = server.generate_ok(input_ids=ids, sampling_params={"n": 3, "max_new_tokens": 2,
+                                                              "temperature": 1.0})
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == [len(ids) - 1] * 3
+    ids2 = [9 + (i * 41) % 500 for i in range(40)]
+    r = client.completions.create(model=model, prompt=ids2, n=3, max_tokens=2)
+    assert r.usage.prompt_tokens_details.cached_tokens == 3 * (len(ids2) - 1)
+    messages = [{"role": "user", "content": "a question nobody asked before, twice over"}]
+    r = client.chat.completions.create(model=model, messages=messages, n=2, max_tokens=2)
+    assert r.usage.prompt_tokens_details.cached_tokens == 2 * (r.usage.prompt_tokens - 1)
+
+
+def test_logprobs_are_not_duplicated(client, model):
+    """Each generated token has exactly one logprob entry, streamed or not."""
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, logprobs=2,
+                                  temperature=0, extra_body=IGNORE_EOS)
+    assert len(r.choices[0].logprobs.tokens) == r.usage.completion_tokens == 6
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=6,
+                                            logprobs=2, temperature=0, stream=True,
+                                            extra_body=IGNORE_EOS))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.tokens]
+    assert streamed == r.choices[0].logprobs.tokens
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+        logprobs=True, top_logprobs=2, temperature=0)
+    assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens

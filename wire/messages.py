@@ -10,9 +10,12 @@ accepts produces exactly one terminal output (finish is not None), whatever ends
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from wire.sampling import SamplingParams
+
+replace = dataclasses.replace       # copy a message with some fields changed (one spelling)
 
 
 @dataclass(slots=True)

@@ -33,6 +33,15 @@ MAX_N = 128             # parallel samples per prompt (OpenAI's limit)
 MAX_STOP_LENGTH = 256   # characters; the detokenizer keeps every prefix of each stop string
 
 
+class SamplingError(ValueError):
+    """A client-facing message about one sampling parameter; `key` names it (the
+    sampling_params key), so each route can point at its own field name."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """One request's sampling parameters. Field order is part of the wire format."""
@@ -74,12 +83,13 @@ class SamplingParams:
                 if key in _SGLANG_UNSUPPORTED:
                     if value is None:
                         continue
-                    raise ValueError(f"Sampling parameter '{key}' is not supported.")
-                raise ValueError(f"Unknown sampling parameter '{key}'.")
+                    raise SamplingError(key, f"Sampling parameter '{key}' is not supported.")
+                raise SamplingError(key, f"Unknown sampling parameter '{key}'.")
             if value is None:
                 if key == "max_new_tokens":
-                    raise ValueError("sampling_params.max_new_tokens=null (until the context "
-                                     "length) is not supported; pass an integer.")
+                    raise SamplingError("max_new_tokens",
+                                        "sampling_params.max_new_tokens=null (until the context "
+                                        "length) is not supported; pass an integer.")
                 continue                              # null means the default, as in SGLang
             kwargs[key] = parse(key, value)
         params = cls(**kwargs)
@@ -102,63 +112,75 @@ class SamplingParams:
         """The checks that need the model's vocabulary size (SGLang's messages)."""
         bad = next((t for t in self.stop_token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
-            raise ValueError(f"stop_token_ids contains {bad}, outside the vocabulary "
-                             f"[0, {vocab_size}).")
+            raise SamplingError("stop_token_ids",
+                                f"stop_token_ids contains {bad}, outside the vocabulary "
+                                f"[0, {vocab_size}).")
         for token_id in self.logit_bias or {}:
             if not 0 <= int(token_id) < vocab_size:      # keys are decimal digits (from_json)
-                raise ValueError(f"logit_bias must has keys in [0, {vocab_size - 1}], got "
-                                 f"{token_id}.")
+                raise SamplingError("logit_bias",
+                                    f"logit_bias must has keys in [0, {vocab_size - 1}], got "
+                                    f"{token_id}.")
 
     def _verify(self) -> None:
         # Messages are SGLang's SamplingParams.verify, word for word, where it has one.
         if not math.isfinite(self.temperature) or self.temperature < 0.0:
-            raise ValueError(f"temperature must be a non-negative finite number, got "
-                             f"{self.temperature}.")
+            raise SamplingError("temperature",
+                                f"temperature must be a non-negative finite number, got "
+                                f"{self.temperature}.")
         if self.temperature > FLOAT32_MAX:
-            raise ValueError(f"temperature must be at most {FLOAT32_MAX} (the float32 "
-                             f"maximum), got {self.temperature}.")
+            raise SamplingError("temperature",
+                                f"temperature must be at most {FLOAT32_MAX} (the float32 "
+                                f"maximum), got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+            raise SamplingError("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_p < FLOAT32_TINY:
-            raise ValueError(f"top_p must be at least {FLOAT32_TINY} (the smallest normal "
-                             f"float32), got {self.top_p}.")
+            raise SamplingError("top_p",
+                                f"top_p must be at least {FLOAT32_TINY} (the smallest normal "
+                                f"float32), got {self.top_p}.")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+            raise SamplingError("min_p", f"min_p must be in [0, 1], got {self.min_p}.")
         if self.temperature < SAMPLING_EPS:
             self.top_k = 1                            # SGLang: greedy overrides top_k
         elif self.top_k != -1 and self.top_k < 1:
-            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+            raise SamplingError("top_k",
+                                f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got "
+            raise SamplingError("frequency_penalty", f"frequency_penalty must be in [-2, 2], got "
                              f"{self.frequency_penalty}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got "
+            raise SamplingError("presence_penalty", f"presence_penalty must be in [-2, 2], got "
                              f"{self.presence_penalty}.")
         if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got "
-                             f"{self.repetition_penalty}.")
+            raise SamplingError("repetition_penalty",
+                                f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got "
+                                f"{self.repetition_penalty}.")
         if self.repetition_penalty < FLOAT32_TINY:
-            raise ValueError(f"repetition_penalty must be at least {FLOAT32_TINY} (the "
-                             f"smallest normal float32), got {self.repetition_penalty}.")
+            raise SamplingError("repetition_penalty",
+                                f"repetition_penalty must be at least {FLOAT32_TINY} (the "
+                                f"smallest normal float32), got {self.repetition_penalty}.")
         if not 0 <= self.min_new_tokens:
-            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got "
-                             f"{self.min_new_tokens}.")
+            raise SamplingError("min_new_tokens",
+                                f"min_new_tokens must be in [0, max_new_tokens], got "
+                                f"{self.min_new_tokens}.")
         if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
+            raise SamplingError("max_new_tokens",
+                                f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
         if not self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens("
+            raise SamplingError("min_new_tokens", f"min_new_tokens must be in [0, max_new_tokens("
                              f"{self.max_new_tokens})], got {self.min_new_tokens}.")
         if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}.")
+            raise SamplingError("n", f"n must be at least 1, got {self.n}.")
         if self.n > MAX_N:
-            raise ValueError(f"n must be at most {MAX_N}, got {self.n}.")
+            raise SamplingError("n", f"n must be at most {MAX_N}, got {self.n}.")
         if self.sampling_seed is not None and not -(2**63) <= self.sampling_seed < 2**64:
-            raise ValueError(f"sampling_seed must fit in 64 bits, got {self.sampling_seed}.")
+            raise SamplingError("sampling_seed",
+                                f"sampling_seed must fit in 64 bits, got {self.sampling_seed}.")
         if self.logit_bias is not None:
             for token_id, bias in self.logit_bias.items():
                 if not math.isfinite(bias):
-                    raise ValueError(f"logit_bias values must be finite, got {bias} for "
-                                     f"token {token_id}.")
+                    raise SamplingError("logit_bias",
+                                        f"logit_bias values must be finite, got {bias} for "
+                                        f"token {token_id}.")
 
 
 # ---- type checks at the JSON boundary ----------------------------------------------------
@@ -172,53 +194,53 @@ INT64 = 2**63   # msgpack carries ints in [-2**63, 2**64): anything wider is a c
 
 def _int(key: str, v: Any) -> int:
     if type(v) is not int:                            # bool is not an int here
-        raise ValueError(f"sampling_params.{key} must be an integer, got {_json_type(v)}.")
+        raise SamplingError(key, f"sampling_params.{key} must be an integer, got {_json_type(v)}.")
     if not -INT64 <= v < 2 * INT64:
-        raise ValueError(f"{key} must fit in 64 bits, got {v}.")
+        raise SamplingError(key, f"{key} must fit in 64 bits, got {v}.")
     return v
 
 
 def _float(key: str, v: Any) -> float:
     if type(v) is not int and type(v) is not float:
-        raise ValueError(f"sampling_params.{key} must be a number, got {_json_type(v)}.")
+        raise SamplingError(key, f"sampling_params.{key} must be a number, got {_json_type(v)}.")
     return float(v)
 
 
 def _bool(key: str, v: Any) -> bool:
     if type(v) is not bool:
-        raise ValueError(f"sampling_params.{key} must be a boolean, got {_json_type(v)}.")
+        raise SamplingError(key, f"sampling_params.{key} must be a boolean, got {_json_type(v)}.")
     return v
 
 
 def _stop(key: str, v: Any) -> list[str]:
     stops = [v] if type(v) is str else v
     if type(stops) is not list or any(type(s) is not str for s in stops):
-        raise ValueError(f"sampling_params.{key} must be a string or a list of strings.")
+        raise SamplingError(key, f"sampling_params.{key} must be a string or a list of strings.")
     if len(stops) > MAX_STOP_STRINGS:
-        raise ValueError(f"sampling_params.{key} may have at most {MAX_STOP_STRINGS} "
+        raise SamplingError(key, f"sampling_params.{key} may have at most {MAX_STOP_STRINGS} "
                          f"entries, got {len(stops)}.")
     if any(s == "" for s in stops):
-        raise ValueError(f"sampling_params.{key} must not contain an empty string.")
+        raise SamplingError(key, f"sampling_params.{key} must not contain an empty string.")
     if any(len(s) > MAX_STOP_LENGTH for s in stops):
-        raise ValueError(f"sampling_params.{key} strings may be at most {MAX_STOP_LENGTH} "
+        raise SamplingError(key, f"sampling_params.{key} strings may be at most {MAX_STOP_LENGTH} "
                          f"characters long.")
     return list(stops)
 
 
 def _token_ids(key: str, v: Any) -> list[int]:
     if type(v) is not list or any(type(t) is not int or not 0 <= t < INT64 for t in v):
-        raise ValueError(f"sampling_params.{key} must be a list of non-negative integers.")
+        raise SamplingError(key, f"sampling_params.{key} must be a list of non-negative integers.")
     return list(dict.fromkeys(v))                     # SGLang keeps a set; we keep order
 
 
 def _logit_bias(key: str, v: Any) -> dict[str, float] | None:
     if type(v) is not dict:
-        raise ValueError(f"sampling_params.{key} must be an object mapping token ids to "
+        raise SamplingError(key, f"sampling_params.{key} must be an object mapping token ids to "
                          f"numbers, got {_json_type(v)}.")
     out: dict[str, float] = {}
     for token_id, bias in v.items():
         if type(token_id) is not str or not (token_id.isascii() and token_id.isdigit()):
-            raise ValueError(f"sampling_params.{key} keys must be token ids, got "
+            raise SamplingError(key, f"sampling_params.{key} keys must be token ids, got "
                              f"{token_id!r}.")
         out[str(int(token_id))] = _float(f"{key}[{token_id!r}]", bias)
     return out or None
