@@ -58,8 +58,9 @@ class DecodeStream:
     - Empty stop strings are ignored.
     - Any push after the stream finished raises RuntimeError.
 
-    `spaces_between_special_tokens` is passed to `tokenizer.decode`; Hugging Face fast
-    tokenizers ignore it (their Rust decoder decides the spacing), as SGLang's do.
+    `spaces_between_special_tokens` is passed to `tokenizer.decode`; HFTokenizer
+    (tokenizer_proc.hf_tokenizer) ignores it as Hugging Face fast tokenizers do (their Rust
+    decoder decides the spacing), and as SGLang's do.
 
     Known limit (shared with vLLM and SGLang): emitted text is never retracted. With a
     byte-fallback (<0xNN>) tokenizer, an output that *ends* in an invalid byte run right

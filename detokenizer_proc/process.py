@@ -24,6 +24,7 @@ from pathlib import Path
 import zmq
 
 from detokenizer_proc.incremental import DecodeStream
+from tokenizer_proc.hf_tokenizer import HFTokenizer
 from wire.addresses import Addresses
 from wire.messages import (DecodeParams, FinishReason, Logprobs, ReleaseRequest, TextBatch,
                            TextOutput, TokenBatch, TokenOutput)
@@ -207,8 +208,7 @@ def model_vocab_size(model_path: str | None) -> int | None:
 
 def main(args: ServerArgs, addrs: Addresses, conn: Connection) -> None:
     def body(ready) -> None:
-        from transformers import AutoTokenizer
-        detok = Detokenizer(AutoTokenizer.from_pretrained(args.resolved_tokenizer_path),
+        detok = Detokenizer(HFTokenizer.from_dir(args.resolved_tokenizer_path),
                             model_vocab_size(args.model_path))
         ctx = zmq.Context()
         inbox = Inbox(ctx, addrs.detokenizer)

@@ -8,10 +8,10 @@ import random
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from detokenizer_proc.incremental import DecodeStream, Delta
 from detokenizer_proc.process import Detokenizer
+from tokenizer_proc.hf_tokenizer import HFTokenizer
 from wire.messages import (DecodeParams, FinishReason, Logprobs, SchedulerLoad, TokenBatch,
                            TokenOutput)
 
@@ -47,7 +47,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 @pytest.fixture(scope="module")
-def tok() -> PreTrainedTokenizerFast:
+def tok() -> HFTokenizer:
     """A small byte-level BPE trained on English, CJK and emoji, with </s> as eos."""
     raw = Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -59,13 +59,13 @@ def tok() -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     raw.train_from_iterator([CORPUS], trainer=trainer)
-    t = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>")
+    t = HFTokenizer(raw, {"eos_token": "</s>"})
     assert t.eos_token_id is not None
     return t
 
 
 @pytest.fixture(scope="module")
-def sp_tok() -> PreTrainedTokenizerFast:
+def sp_tok() -> HFTokenizer:
     """A Llama-2 style tokenizer: "▁" for spaces, <0xNN> byte fallback, and a decoder that
     strips the leading space of the first token (so decoding depends on the window start)."""
     raw = Tokenizer(models.BPE(byte_fallback=True, unk_token=None))
@@ -93,7 +93,7 @@ def sp_tok() -> PreTrainedTokenizerFast:
     spec = json.loads(raw.to_str())
     spec["added_tokens"] = [a for a in spec["added_tokens"] if a["content"] == "</s>"]
     raw = Tokenizer.from_str(json.dumps(spec))
-    t = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>")
+    t = HFTokenizer(raw, {"eos_token": "</s>"})
     assert t.all_special_ids == [t.eos_token_id]
     return t
 

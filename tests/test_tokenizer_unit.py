@@ -11,9 +11,9 @@ import unicodedata
 import pytest
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from checkpoints.tiny import CORPUS
+from tokenizer_proc.hf_tokenizer import HFTokenizer
 from tokenizer_proc.process import (API, SCHEDULER, Tokenizer, Worker, chars_per_token_bound)
 from wire.codec import decode
 from wire.messages import (AbortRequest, ChatMessage, FlushCacheRequest, GenerateRequest,
@@ -109,27 +109,29 @@ def test_densest_prompt_just_under_the_context_is_accepted(tokenizer):
         tokenizer.tokenize(gen(text=fits + dense))
     # Same through the chat template: the rendered prompt is what is bounded.
     rendered_extra = len(tok.encode(tok.apply_chat_template(
-        [{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=False),
+        [{"role": "user", "content": ""}], add_generation_prompt=True),
         add_special_tokens=False))
     content = dense * (CONTEXT - 1 - rendered_extra)
     ids = tokenizer.tokenize(gen(messages=[ChatMessage("user", content)])).input_ids
     assert len(ids) == CONTEXT - 1
 
 
-def test_chat_ids_equal_apply_chat_template(tokenizer):
+def test_chat_ids_equal_apply_chat_template(tokenizer, tiny_path):
+    """The ids of a chat request are transformers' apply_chat_template(tokenize=True)."""
+    from transformers import AutoTokenizer
     messages = [ChatMessage("system", "Be brief."), ChatMessage("user", "你好, 世界 😀!")]
-    want = tokenizer.tok.apply_chat_template(
+    want = AutoTokenizer.from_pretrained(str(tiny_path)).apply_chat_template(
         [{"role": m.role, "content": m.content} for m in messages],
         add_generation_prompt=True, tokenize=True)
     want = want["input_ids"] if hasattr(want, "keys") else want
     assert tokenizer.tokenize(gen(messages=messages)).input_ids == list(want)
 
 
-def _fast(raw: RawTokenizer) -> PreTrainedTokenizerFast:
-    return PreTrainedTokenizerFast(tokenizer_object=raw)
+def _fast(raw: RawTokenizer) -> HFTokenizer:
+    return HFTokenizer(raw)
 
 
-def _bpe(normalizer=None, pre=None, **model_kw) -> PreTrainedTokenizerFast:
+def _bpe(normalizer=None, pre=None, **model_kw) -> HFTokenizer:
     raw = RawTokenizer(models.BPE(**model_kw))
     if normalizer is not None:
         raw.normalizer = normalizer

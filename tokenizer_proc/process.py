@@ -24,6 +24,7 @@ from pathlib import Path
 
 import zmq
 
+from tokenizer_proc.hf_tokenizer import HFTokenizer
 from wire.addresses import Addresses
 from wire.codec import encode
 from wire.messages import (MAX_TOP_LOGPROBS, AbortRequest, FinishReason, FlushCacheRequest,
@@ -152,8 +153,7 @@ def chars_per_token_bound(tok) -> float | None:
 class Tokenizer:
     def __init__(self, tokenizer_path: str, vocab_size: int, context_len: int,
                  chat_template: str | None = None):
-        from transformers import AutoTokenizer
-        self.tok = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.tok = HFTokenizer.from_dir(tokenizer_path)
         if chat_template is not None:
             self.tok.chat_template = chat_template
         self.vocab_size = vocab_size
@@ -229,10 +229,10 @@ class Tokenizer:
             raise RequestError("This model has no chat template; pass --chat-template.")
         try:
             # Rendered first, so the length bound applies before tokenizing; this is what
-            # apply_chat_template(tokenize=True) does inside.
+            # transformers' apply_chat_template(tokenize=True) does inside.
             text = self.tok.apply_chat_template(
                 [{"role": m.role, "content": m.content} for m in messages],
-                add_generation_prompt=True, tokenize=False)
+                add_generation_prompt=True)
         except Exception as e:   # jinja raises its own types (e.g. raise_exception in templates)
             raise RequestError(f"The chat template failed on these messages: {e}") from None
         return self._encode(text, add_special_tokens=False)
@@ -324,11 +324,16 @@ class Worker:
                                              f"({type(e).__name__}).", 500)
 
 
+def model_vocab_size(model_path: str) -> int:
+    """The model's vocab_size from its config.json (the launcher made sure there is one: a
+    GGUF model arrives as its sidecar directory). Read directly: this process does not load
+    the model package, which imports torch."""
+    return int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
+
+
 def main(args: ServerArgs, addrs: Addresses, conn: Connection) -> None:
     def body(ready) -> None:
-        from scheduler_proc.models.config import ModelConfig
-        config = ModelConfig.from_dir(args.model_path)
-        worker = Worker(Tokenizer(args.resolved_tokenizer_path, config.vocab_size,
+        worker = Worker(Tokenizer(args.resolved_tokenizer_path, model_vocab_size(args.model_path),
                                   args.context_length, load_chat_template(args.chat_template)))
         ctx = zmq.Context()
         inbox = Inbox(ctx, addrs.tokenizer)

@@ -1,0 +1,60 @@
+"""Imports follow the process graph: only the scheduler loads torch.
+
+The tokenizer, detokenizer and API processes tokenize with tokenizer_proc.hf_tokenizer, not
+transformers (whose import pulls in torch: seconds of CPU and hundreds of MB per process).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tokenizer_proc.hf_tokenizer import HFTokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+
+# What each process body loads before it is ready, in a fresh interpreter.
+PROCESS_BODIES = """
+import json, sys
+from pathlib import Path
+import api_proc.openai_api, launch
+from detokenizer_proc.process import Detokenizer, model_vocab_size
+from tokenizer_proc.hf_tokenizer import HFTokenizer
+from tokenizer_proc.process import Tokenizer, Worker
+path = sys.argv[1]
+Worker(Tokenizer(path, model_vocab_size(path), 64, "{{ messages[0].content }}"))
+Detokenizer(HFTokenizer.from_dir(path), model_vocab_size(path))
+print(json.dumps(sorted(m for m in ("torch", "transformers") if m in sys.modules)))
+"""
+
+
+def test_process_bodies_import_neither_torch_nor_transformers(tiny_model):
+    out = subprocess.run([sys.executable, "-c", PROCESS_BODIES, str(tiny_model("llama"))],
+                         cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stderr
+
+
+def libtorch_mapped(proc: psutil.Process) -> bool:
+    return any(Path(m.path).name.startswith("libtorch") for m in proc.memory_maps())
+
+
+@pytest.mark.e2e
+def test_only_the_scheduler_maps_libtorch(tiny_model, launch):
+    path = tiny_model("llama")
+    server = launch(path)
+    # The API process loads its own tokenizer on first use: echo a token-id prompt.
+    ids = [40, 41, 42, 0, 43]
+    r = server.client.post("/v1/completions", json={"prompt": ids, "echo": True,
+                                                     "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"].startswith(
+        HFTokenizer.from_dir(path).decode(ids, skip_special_tokens=False))
+    procs = {"api": psutil.Process(server.proc.pid),
+             **{title: server.child(title) for title in ("tokenizer", "detokenizer",
+                                                         "scheduler")}}
+    assert {name: libtorch_mapped(p) for name, p in procs.items()} == {
+        "api": False, "tokenizer": False, "detokenizer": False, "scheduler": True}
