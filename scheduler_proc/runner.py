@@ -10,11 +10,21 @@ sampled again alone (seeded generators rewound first), and a row that fails alon
 exception in place of its token. A CUDA error other than out-of-memory is sticky (the
 context, weights and KV included, can no longer be trusted), so `leaves_device_unknown`
 marks it for the scheduler to take the process down.
+
+Memory: where the model's linears are oneDNN's (models/packed.py: CPUs without AVX-512, or
+ZSERVE_CPU_KERNELS=0), oneDNN JIT-compiles a kernel for each (weight shape, row count) it
+meets and keeps it in two caches, its primitive cache and ideep's LRU, of 1024 entries each
+by default. A kernel holds ~0.5-1 MB, and a step's row count (its decode rows plus a prefill
+chunk) is new on many steps, so under load the scheduler's RSS climbed until the caches
+were full: +130-140 MB a minute in a soak of the tiny model, ~+770 MB at the limit.
+`bound_onednn_caches` caps both caches at ONEDNN_CACHE_CAPACITY kernels (~70-130 MB); a
+kernel evicted and needed again is recompiled, ~0.5 ms.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import psutil
@@ -30,6 +40,9 @@ from wire.server_args import ServerArgs
 log = logging.getLogger(__name__)
 
 CPU_KV_MEMORY_FRACTION = 0.1    # of total RAM, for the default --max-total-tokens on CPU
+ONEDNN_CACHE_CAPACITY = 128     # oneDNN kernels kept per cache (module docstring); >= 1:
+                                # ideep crashes with LRU_CACHE_CAPACITY=0
+ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
 @dataclass(slots=True)
@@ -53,6 +66,15 @@ def leaves_device_unknown(exc: BaseException) -> bool:
             "CUDA error" in str(exc))
 
 
+def bound_onednn_caches() -> None:
+    """Cap oneDNN's per-shape kernel caches (module docstring), unless the environment
+    already sets them. oneDNN and ideep read these variables once, when the process runs its
+    first oneDNN primitive: this must come before the model loads (packing the weights is
+    one), or it has no effect."""
+    for name in ONEDNN_CACHE_VARIABLES:
+        os.environ.setdefault(name, str(ONEDNN_CACHE_CAPACITY))
+
+
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device == "cuda" else torch.float32
@@ -61,6 +83,7 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, args: ServerArgs):
+        bound_onednn_caches()
         self.device = torch.device(args.device)
         self.dtype = resolve_dtype(args.dtype, args.device)
         self.config = ModelConfig.from_dir(args.model_path)
