@@ -185,7 +185,7 @@ class Dispatcher:
     """Owns the rid -> RequestState dict and the API end of the pipeline."""
 
     def __init__(self, addrs: Addresses, admission: Admission = Admission()):
-        ctx = zmq.asyncio.Context()
+        ctx = self.ctx = zmq.asyncio.Context()
         self.inbox = AsyncInbox(ctx, addrs.api)
         # A plain (non-awaiting) send on an asyncio socket: sends never block (no HWM), and
         # aborts must be sendable from cancellation paths that cannot await.
@@ -198,6 +198,13 @@ class Dispatcher:
         self.loop: asyncio.AbstractEventLoop | None = None   # set once run() starts
         self.load = SchedulerLoad()                          # the newest the scheduler sent
         self.controls: dict[str, asyncio.Future[ControlReply]] = {}
+
+    def close(self) -> None:
+        """Close the sockets and the context (a context left to the garbage collector
+        terminates there, and blocks forever while a socket is open)."""
+        self.inbox.sock.close(linger=0)
+        self.to_tokenizer.sock.close(linger=0)
+        self.ctx.term()
 
     @property
     def waiting(self) -> int:

@@ -4,9 +4,11 @@ cannot slip past the check."""
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx
 import pytest
 from starlette.routing import Route
-from starlette.testclient import TestClient
 
 from api_proc.app import build_app
 from api_proc.state import Dispatcher
@@ -21,10 +23,42 @@ def app():
     addrs = Addresses.create()
     args = ServerArgs(model_path="/nonexistent", context_length=512, api_key=KEY,
                       admin_api_key=ADMIN)
+    dispatcher = Dispatcher(addrs)
     try:
-        yield build_app(args, Dispatcher(addrs), {})
+        yield build_app(args, dispatcher, {})
     finally:
+        dispatcher.close()
         addrs.cleanup()
+
+
+class Client:
+    """Requests straight into the ASGI app on this thread (httpx's ASGITransport under
+    asyncio.run): no server, no portal thread."""
+
+    def __init__(self, app):
+        self.app = app
+
+    def request(self, method: str, path: str, **kw) -> httpx.Response:
+        async def go() -> httpx.Response:
+            transport = httpx.ASGITransport(app=self.app, raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport,
+                                         base_url="http://testserver") as c:
+                return await c.request(method, path, **kw)
+        return asyncio.run(go())
+
+    def get(self, path: str, **kw) -> httpx.Response:
+        return self.request("GET", path, **kw)
+
+    def post(self, path: str, **kw) -> httpx.Response:
+        return self.request("POST", path, **kw)
+
+    def options(self, path: str, **kw) -> httpx.Response:
+        return self.request("OPTIONS", path, **kw)
+
+
+@pytest.fixture
+def client(app):
+    return Client(app)
 
 
 def routes(app) -> list[tuple[str, str]]:
@@ -34,8 +68,7 @@ def routes(app) -> list[tuple[str, str]]:
     return out
 
 
-def test_every_route_but_health_needs_the_key(app):
-    client = TestClient(app, raise_server_exceptions=False)
+def test_every_route_but_health_needs_the_key(app, client):
     checked = 0
     for path, method in routes(app):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
@@ -50,8 +83,7 @@ def test_every_route_but_health_needs_the_key(app):
     assert checked >= 30
 
 
-def test_admin_routes_need_the_admin_key(app):
-    client = TestClient(app, raise_server_exceptions=False)
+def test_admin_routes_need_the_admin_key(client):
     user = {"Authorization": f"Bearer {KEY}"}
     r = client.post("/flush_cache", json={}, headers=user)
     assert r.status_code == 403 and "admin" in r.json()["error"]["message"]
@@ -68,8 +100,7 @@ def test_admin_routes_need_the_admin_key(app):
     assert r.status_code == 415
 
 
-def test_cross_origin_requests_are_refused(app):
-    client = TestClient(app, raise_server_exceptions=False)
+def test_cross_origin_requests_are_refused(client):
     auth = {"Authorization": f"Bearer {KEY}"}
     r = client.get("/v1/models", headers={**auth, "Origin": "http://evil.example"})
     assert r.status_code == 403 and "origin" in r.json()["error"]["message"]
@@ -82,32 +113,38 @@ def test_allowed_origins_get_cors_headers():
     try:
         args = ServerArgs(model_path="/m", context_length=512,
                           allowed_origins="http://ui.example")
-        client = TestClient(build_app(args, Dispatcher(addrs), {}))
-        r = client.options("/generate", headers={
-            "Origin": "http://ui.example", "Access-Control-Request-Method": "POST"})
-        assert r.status_code == 200
-        assert r.headers["access-control-allow-origin"] == "http://ui.example"
-        r = client.get("/v1/models", headers={"Origin": "http://ui.example"})
-        assert r.status_code == 200
-        r = client.get("/v1/models", headers={"Origin": "http://other.example"})
-        assert r.status_code == 403
+        dispatcher = Dispatcher(addrs)
+        check_cors(Client(build_app(args, dispatcher, {})))
     finally:
+        dispatcher.close()
         addrs.cleanup()
+
+
+def check_cors(client) -> None:
+    r = client.options("/generate", headers={
+        "Origin": "http://ui.example", "Access-Control-Request-Method": "POST"})
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] == "http://ui.example"
+    r = client.get("/v1/models", headers={"Origin": "http://ui.example"})
+    assert r.status_code == 200
+    r = client.get("/v1/models", headers={"Origin": "http://other.example"})
+    assert r.status_code == 403
 
 
 def test_no_keys_means_an_open_local_server():
     addrs = Addresses.create()
     try:
-        client = TestClient(build_app(ServerArgs(model_path="/m", context_length=512),
-                                      Dispatcher(addrs), {}))
+        dispatcher = Dispatcher(addrs)
+        client = Client(build_app(ServerArgs(model_path="/m", context_length=512),
+                                  dispatcher, {}))
         assert client.get("/v1/models").status_code == 200
         assert client.post("/abort_request", json={"rid": "x"}).json() == {"aborted": 0}
     finally:
+        dispatcher.close()
         addrs.cleanup()
 
 
-def test_errors_are_json(app):
-    client = TestClient(app, raise_server_exceptions=False)
+def test_errors_are_json(client):
     auth = {"Authorization": f"Bearer {KEY}"}
     r = client.get("/no/such/route", headers=auth)
     assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"
