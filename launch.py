@@ -55,9 +55,8 @@ def resolve_args(args: ServerArgs) -> ServerArgs:
     facts = model_facts(args.model_path)
     args.model_source = describe_source(given, path)
     args.num_params = facts.num_params
-    if facts.random_weights:
-        log.warning("%s is one of zserve's tiny test checkpoints: its weights are random and "
-                    "its text is gibberish", path)
+    if facts.random_weights:        # said once startup checks passed (see main)
+        args.model_source += ", random weights: its text is gibberish"
     if args.context_length is None:
         args.context_length = facts.max_position_embeddings
     if args.context_length > facts.max_position_embeddings:
@@ -250,7 +249,9 @@ def serve(args: ServerArgs, listener: socket.socket) -> int:
                             args=(children, addrs)).start()
 
         children.supervise(on_death)
-        log.info(banner(args, infos.get("scheduler", {})))
+        random = "random weights" in args.model_source
+        log.log(logging.WARNING if random else logging.INFO,
+                banner(args, infos.get("scheduler", {})))
         try:
             server.run(sockets=[listener])
         except Shutdown:
