@@ -1,8 +1,13 @@
 """Offline throughput: zserve vs Hugging Face transformers on the same checkpoint.
 
-    python -m bench.throughput --model-path DIR [--dtype float32|bfloat16]
+    python -m bench.throughput [--model-path DIR|FILE.gguf] [--dtype float32|bfloat16]
         [--num-prompts 32] [--input-len 32] [--output-len 128] [--mode batch|single|both]
         [--single-prompts 4] [--url URL] [--skip-hf] [--json PATH] [--server-args "..."]
+
+--model-path: an HF checkpoint directory or a GGUF file (or a directory holding one); without
+it, the model launch.py serves by default (SmolLM2-135M-Instruct, a Q4_1 GGUF). A GGUF is
+served by zserve as it is and loaded by transformers with `gguf_file=` (both dequantize it
+to the same float32 weights, then cast them to --dtype).
 
 Workload: num_prompts prompts of input_len random token ids in [10, 700) (seeded), each
 generating exactly output_len tokens (greedy, EOS ignored).
@@ -20,7 +25,9 @@ generating exactly output_len tokens (greedy, EOS ignored).
 Output tokens/s = total output tokens / wall. MFU = 2 * N * tokens/s / peak, with N the
 parameters used in matmuls per token (all linear layers + the LM head; attention score
 FLOPs are left out, a few percent at these lengths) and peak the best measured
-[2048x2048] @ [2048x2048] matmul rate in the same dtype, on this machine, right now.
+[2048x2048] @ [2048x2048] matmul rate in the same dtype, on this machine, right now (for
+bfloat16 on a CPU without a native bf16 GEMM, where torch's bf16 matmul is far slower than
+its float32 one, the float32 rate: bf16 compute there is float32 in effect).
 torch.set_num_threads is left at its default in both systems.
 """
 
@@ -46,6 +53,22 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 TOKEN_LOW, TOKEN_HIGH = 10, 700     # valid for the tiny tokenizer (754 tokens) too
 
 
+def gguf_file(model_path: str) -> pathlib.Path | None:
+    """The GGUF file model_path stands for (a .gguf, or a directory with exactly one), or
+    None for an HF checkpoint directory."""
+    from scheduler_proc.models.gguf import find_gguf
+    return find_gguf(model_path)
+
+
+def model_config(model_path: str) -> dict:
+    """config.json's contents, or what it would say for a GGUF (from its metadata)."""
+    gguf = gguf_file(model_path)
+    if gguf is not None:
+        from scheduler_proc.models.gguf import config_dict, read_header
+        return config_dict(read_header(gguf))
+    return json.loads((pathlib.Path(model_path) / "config.json").read_text())
+
+
 # ---------------------------------------------------------------------------------------
 # Workload and model facts
 
@@ -56,8 +79,8 @@ def make_prompts(num: int, length: int, seed: int) -> list[list[int]]:
 
 
 def matmul_params(model_path: str) -> dict:
-    """Parameter counts from config.json: those used in matmuls per token, and all."""
-    cfg = json.loads((pathlib.Path(model_path) / "config.json").read_text())
+    """Parameter counts from the config: those used in matmuls per token, and all."""
+    cfg = model_config(model_path)
     h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     nh, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     hd = cfg.get("head_dim") or h // nh
@@ -67,15 +90,28 @@ def matmul_params(model_path: str) -> dict:
     tied = cfg.get("tie_word_embeddings", False)
     norms = layers * 2 * h + h
     total = layers * per_layer + lm_head + (0 if tied else h * vocab) + norms
+    on_disk = cfg.get("dtype") or cfg.get("torch_dtype")
+    if (gguf := gguf_file(model_path)) is not None:     # e.g. "GGUF Q4_1 + F32"
+        from scheduler_proc.models.gguf import read_header
+        types = sorted({t.type_name for t in read_header(gguf).tensors.values()})
+        on_disk = "GGUF " + " + ".join(types)
     return {"matmul": layers * per_layer + lm_head, "total": total, "layers": layers,
-            "tied": tied, "dtype_on_disk": cfg.get("dtype") or cfg.get("torch_dtype")}
+            "tied": tied, "dtype_on_disk": on_disk}
 
 
 def measure_peak_gflops(dtype: str, n: int = 2048, reps: int = 5) -> float:
-    """Best-of-reps [n x n] @ [n x n] matmul rate in GFLOP/s."""
+    """Best-of-reps [n x n] @ [n x n] matmul rate in GFLOP/s. A dtype torch computes on a
+    slow path (bfloat16 without a native bf16 GEMM: ~0.3 GFLOP/s, a minute per 2048 matmul)
+    is timed at 512 instead."""
     import torch
 
     dt = getattr(torch, dtype)
+    x = torch.ones(512, 512, dtype=dt)
+    torch.matmul(x, x)                          # warm-up
+    t = time.perf_counter()
+    torch.matmul(x, x)
+    if (probe := time.perf_counter() - t) > 0.05:   # under ~5 GFLOP/s: the slow path
+        return 2 * 512 ** 3 / probe / 1e9
     g = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=g).to(dt)
     b = torch.randn(n, n, generator=g).to(dt)
@@ -113,6 +149,17 @@ def launch_server(model_path: str, dtype: str, extra: list[str]) -> tuple[Server
     server = Server(model_path, "--dtype", dtype, *extra, tmpdir=tempfile.gettempdir())
     print(f"# launched zserve on {server.url} (log: {server.log_path})", file=sys.stderr)
     return server, time.monotonic() - t0
+
+
+def same_model(served: str, model_path: str) -> bool:
+    """Whether the server's model_path (for a GGUF: its sidecar directory) is model_path."""
+    if os.path.realpath(served) == os.path.realpath(model_path):
+        return True
+    try:
+        ours, theirs = gguf_file(model_path), gguf_file(served)
+    except (OSError, ValueError):
+        return False
+    return ours is not None and theirs is not None and ours.resolve() == theirs.resolve()
 
 
 def wait_health(url: str, timeout: float) -> None:
@@ -246,7 +293,12 @@ def hf_load(model_path: str, dtype: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    gguf = gguf_file(model_path)
+    if gguf is not None:        # transformers dequantizes it to float32, then casts to dtype
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, dtype))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
     model.eval()
     return model
 
@@ -303,14 +355,20 @@ def print_table(report: dict) -> None:
     c = report["config"]
     print()
     print(f"model {c['model_path']}  ({report['params']['matmul'] / 1e6:.1f}M matmul params, "
-          f"{report['params']['layers']} layers)  dtype {c['dtype']}")
+          f"{report['params']['layers']} layers, on disk {report['params']['dtype_on_disk']})  "
+          f"dtype {c['dtype']}")
     print(f"workload: {c['num_prompts']} prompts (single mode: {c['single_prompts']}) x "
           f"{c['input_len']} input tokens -> {c['output_len']} output tokens each, greedy, "
           f"ignore_eos")
     print(f"machine: {report['machine']['cpus']} CPUs, torch threads {report['torch_threads']} "
           f"(default, set_num_threads not called; the server keeps its own default too)")
-    print(f"peak: {report['peak_gflops']:.1f} GFLOP/s ({c['dtype']} 2048x2048 matmul, "
-          f"best of 5)")
+    if report["peak_gflops"] == report["dtype_peak_gflops"]:
+        print(f"peak: {report['peak_gflops']:.1f} GFLOP/s ({c['dtype']} 2048x2048 matmul, "
+              f"best of 5)")
+    else:
+        print(f"peak: {report['peak_gflops']:.1f} GFLOP/s (float32 2048x2048 matmul, best of "
+              f"5: torch's {c['dtype']} one reached only {report['dtype_peak_gflops']:.1f}, "
+              f"no native {c['dtype']} GEMM on this CPU)")
     print("MFU = 2 * N_matmul_params * output_tok_per_s / peak_FLOP_per_s "
           "(attention-score FLOPs and prefill not counted)")
     print()
@@ -336,7 +394,8 @@ def print_table(report: dict) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Throughput: zserve vs transformers.")
-    p.add_argument("--model-path", required=True)
+    p.add_argument("--model-path", help="an HF checkpoint directory or a GGUF file "
+                   "(default: the model launch.py serves without one)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=32)
@@ -358,6 +417,9 @@ def main(argv=None) -> int:
 
     import torch
 
+    if args.model_path is None:
+        from launch import default_model
+        args.model_path = default_model()
     model_path = str(pathlib.Path(args.model_path).expanduser().absolute())
     params = matmul_params(model_path)
     modes = ["batch", "single"] if args.mode == "both" else [args.mode]
@@ -365,11 +427,14 @@ def main(argv=None) -> int:
     single_prompts = prompts[:max(1, min(args.single_prompts, len(prompts)))]
 
     print(f"# measuring {args.dtype} matmul peak ...", file=sys.stderr)
-    peak = measure_peak_gflops(args.dtype)
+    peak = dtype_peak = measure_peak_gflops(args.dtype)
+    if args.dtype != "float32":
+        peak = max(dtype_peak, measure_peak_gflops("float32"))
     report = {
         "config": {**{k: v for k, v in vars(args).items() if k != "json"},
                    "model_path": model_path, "single_prompts": len(single_prompts)},
-        "params": params, "peak_gflops": peak, "torch_threads": torch.get_num_threads(),
+        "params": params, "peak_gflops": peak, "dtype_peak_gflops": dtype_peak,
+        "torch_threads": torch.get_num_threads(),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "torch": torch.__version__},
         "mfu_formula": "2 * params_matmul * tok_s / (peak_gflops * 1e9)",
@@ -402,8 +467,7 @@ def main(argv=None) -> int:
                 if info.get("dtype") not in (None, "auto", args.dtype):
                     print(f"# warning: the server runs {info['dtype']}, not --dtype "
                           f"{args.dtype}", file=sys.stderr)
-                if info.get("model_path") and os.path.realpath(info["model_path"]) != \
-                        os.path.realpath(model_path):
+                if info.get("model_path") and not same_model(info["model_path"], model_path):
                     print(f"# warning: the server serves {info['model_path']}, not "
                           f"{model_path}", file=sys.stderr)
             except Exception:

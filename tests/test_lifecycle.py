@@ -69,20 +69,6 @@ def test_signal_to_the_whole_process_group_exits_cleanly(tiny_model, tmp_path, s
         s.kill()
 
 
-def test_default_demo_model(tmp_path):
-    """No --model-path: the built-in demo model is built on first use and served."""
-    cache = tmp_path / "cache"
-    s = Server(None, tmpdir=tmp_path, env={"ZSERVE_CACHE": str(cache)})
-    try:
-        info = s.client.get("/model_info").json()
-        assert info["is_generation"] is True
-        assert info["model_path"].startswith(str(cache))
-        out = s.generate_ok(text="Hello", sampling_params={"max_new_tokens": 5})
-        assert out["meta_info"]["completion_tokens"] == 5
-    finally:
-        assert s.terminate() == 0
-
-
 def test_idle_server_uses_no_cpu(tiny_model, tmp_path):
     s = Server(tiny_model("llama"), tmpdir=tmp_path)
     try:
