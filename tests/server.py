@@ -126,6 +126,19 @@ class Server:
         self.log.close()
 
 
+def wait_idle(server: "Server", timeout: float = 120.0, poll: float = 0.05) -> dict:
+    """/server_info once nothing runs, waits or is in flight (the timeout only guards
+    against a hang, it assumes no speed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = server.server_info()
+        if info["running_requests"] == info["queued_requests"] == \
+                info["requests_in_flight"] == 0:
+            return info
+        assert time.monotonic() < deadline, info
+        time.sleep(poll)
+
+
 @contextlib.contextmanager
 def serving(model_path, *flags: str, tmpdir, env: dict | None = None):
     """A Server for the length of a `with` block (a module fixture's body); when the block

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections import Counter, defaultdict, deque
 
 import httpx
@@ -29,7 +28,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.server import serving
+from tests.server import serving, wait_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -273,17 +272,6 @@ class Fuzz:
         assert not self.problems, f"{self.count} requests; problems:{self.report()}"
         assert self.count >= min_count
         assert_healthy_and_idle(self.server)
-
-
-def wait_idle(server, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout    # a safety net against a hang, not a speed
-    while True:
-        info = server.server_info()
-        if info["running_requests"] == info["queued_requests"] == \
-                info["requests_in_flight"] == 0:
-            return info
-        assert time.monotonic() < deadline, info
-        time.sleep(0.05)
 
 
 def assert_healthy_and_idle(server) -> None:

@@ -9,14 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 from dataclasses import dataclass
 
 import httpx
 import pytest
 
 from tests.reference import assert_greedy_match
-from tests.server import serving
+from tests.server import serving, wait_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -62,18 +61,6 @@ def solos(server) -> list[Solo]:
 
 def greedy(max_new: int) -> dict:
     return {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
-
-
-def wait_idle(server, timeout: float = 120.0) -> dict:
-    """Until nothing runs, waits or is in flight (the timeout only guards against a hang)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        info = server.server_info()
-        if info["running_requests"] == info["queued_requests"] == \
-                info["requests_in_flight"] == 0:
-            return info
-        assert time.monotonic() < deadline, info
-        time.sleep(0.1)
 
 
 def assert_pool_idle(info: dict) -> None:
