@@ -33,6 +33,8 @@ import pathlib
 import shutil
 import tempfile
 
+from wire.model_path import zserve_cache
+
 # Bump when anything below changes the files produced; it names the cache directory.
 CHECKPOINT_VERSION = 2   # 2: RANDOM_WEIGHTS.txt marks the directory
 
@@ -322,8 +324,7 @@ def build_tiny_checkpoint(out_dir, family: str, seed: int = 0,
 
 def default_cache_root() -> pathlib.Path:
     """$ZSERVE_CACHE, else ~/.cache/zserve."""
-    env = os.environ.get("ZSERVE_CACHE")
-    return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "zserve"
+    return zserve_cache()
 
 
 def checkpoint_dir_name(family: str) -> str:

@@ -12,7 +12,9 @@ allows one.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +96,33 @@ def _from_hub(repo_id: str) -> str:
 
 
 RANDOM_WEIGHTS_MARKER = "RANDOM_WEIGHTS.txt"   # written by checkpoints/tiny.py
+
+
+# ---- where things are cached (torch-free, so the launcher can look before it spawns) -------
+
+SIDECAR_FILE = "zserve_gguf.json"       # in a GGUF sidecar directory: which GGUF it stands for
+SIDECAR_VERSION = 1                     # bump when the sidecar's contents change
+
+
+def zserve_cache() -> Path:
+    """zserve's cache directory: $ZSERVE_CACHE, else ~/.cache/zserve."""
+    env = os.environ.get("ZSERVE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "zserve"
+
+
+def gguf_file_key(path: Path) -> str:
+    """A GGUF file's identity for its sidecar: resolved path, size and mtime."""
+    st = path.stat()
+    raw = f"{SIDECAR_VERSION}\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def gguf_sidecar_dir(gguf: Path, cache_root: Path | None = None) -> Path:
+    """Where the sidecar (config + tokenizer files) of GGUF file `gguf` lives once built by
+    scheduler_proc/models/gguf.py's materialize; complete iff it holds SIDECAR_FILE."""
+    gguf = gguf.resolve()
+    root = (cache_root if cache_root is not None else zserve_cache() / "gguf")
+    return root.expanduser().absolute() / f"{gguf.stem}-{gguf_file_key(gguf)}"
 
 
 @dataclass(frozen=True, slots=True)

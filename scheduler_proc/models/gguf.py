@@ -35,7 +35,6 @@ the sidecar as an HF directory, and load_model(sidecar) reads the weights from t
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import mmap
 import os
@@ -50,11 +49,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from wire.model_path import SIDECAR_FILE, SIDECAR_VERSION, gguf_file_key, gguf_sidecar_dir
+
 # general.architecture -> the HF architecture we build. Mistral GGUFs say "llama".
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
-SIDECAR_FILE = "zserve_gguf.json"       # in a sidecar directory: which GGUF it stands for
-SIDECAR_VERSION = 1                     # bump when materialize writes something different
 _GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 
@@ -95,7 +94,7 @@ def _sidecar_target(sidecar: Path) -> Path:
     target = Path(info["gguf_file"])
     if not target.is_file():
         raise FileNotFoundError(f"{sidecar}: its GGUF file {target} no longer exists")
-    if _file_key(target) != info.get("key"):
+    if gguf_file_key(target) != info.get("key"):
         raise ValueError(f"{sidecar}: {target} changed since this sidecar was written; "
                          f"pass the .gguf file itself to rebuild it")
     return target
@@ -465,18 +464,6 @@ def _few(names: list[str], n: int = 8) -> str:
 # Sidecar
 
 
-def _file_key(path: Path) -> str:
-    st = path.stat()
-    raw = f"{SIDECAR_VERSION}\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}"
-    return hashlib.sha256(raw.encode()).hexdigest()[:16]
-
-
-def default_cache_root() -> Path:
-    """Where sidecars live by default: $ZSERVE_CACHE/gguf (else ~/.cache/zserve/gguf)."""
-    from checkpoints.tiny import default_cache_root as zserve_cache
-    return zserve_cache() / "gguf"
-
-
 def materialize(gguf_path: str | Path, cache_root: str | Path | None = None) -> Path:
     """The sidecar directory for a GGUF file (or a directory holding one), built on first
     use: config.json, generation_config.json, the tokenizer files (transformers' GGUF
@@ -491,10 +478,8 @@ def materialize(gguf_path: str | Path, cache_root: str | Path | None = None) -> 
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     path = path.resolve()
-    root = Path(cache_root) if cache_root is not None else default_cache_root()
-    root = root.expanduser().absolute()
-    key = _file_key(path)
-    final = root / f"{path.stem}-{key}"
+    final = gguf_sidecar_dir(path, Path(cache_root) if cache_root is not None else None)
+    root, key = final.parent, gguf_file_key(path)
     if (final / SIDECAR_FILE).is_file():
         return final
 
