@@ -20,7 +20,7 @@ import itertools
 import logging
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import zmq.asyncio
 
@@ -28,8 +28,8 @@ from api_proc.timing import RequestTiming
 from wire.addresses import Addresses
 from wire.messages import (AbortRequest, ControlReply, FinishReason, FlushCacheRequest,
                            GenerateRequest, LogprobRequest, Logprobs, SchedulerLoad, TextBatch,
-                           TextOutput)
-from wire.codec import encode
+                           TextOutput, replace)
+from wire.codec import API_INBOX, encode
 from wire.sockets import AsyncInbox, Outbox
 
 log = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ class Dispatcher:
 
     def __init__(self, addrs: Addresses, admission: Admission = Admission()):
         ctx = self.ctx = zmq.asyncio.Context()
-        self.inbox = AsyncInbox(ctx, addrs.api)
+        self.inbox = AsyncInbox(ctx, addrs.api, API_INBOX)
         # A plain (non-awaiting) send on an asyncio socket: sends never block (no HWM), and
         # aborts must be sendable from cancellation paths that cannot await.
         self.to_tokenizer = Outbox(ctx, addrs.tokenizer)

@@ -26,6 +26,7 @@ import zmq
 from detokenizer_proc.incremental import DecodeStream
 from tokenizer_proc.hf_tokenizer import HFTokenizer
 from wire.addresses import Addresses
+from wire.codec import DETOKENIZER_INBOX
 from wire.messages import (DecodeParams, FinishReason, Logprobs, ReleaseRequest, TextBatch,
                            TextOutput, TokenBatch, TokenOutput)
 from wire.proc import run_child
@@ -211,7 +212,7 @@ def main(args: ServerArgs, addrs: Addresses, conn: Connection) -> None:
         detok = Detokenizer(HFTokenizer.from_dir(args.resolved_tokenizer_path),
                             model_vocab_size(args.model_path))
         ctx = zmq.Context()
-        inbox = Inbox(ctx, addrs.detokenizer)
+        inbox = Inbox(ctx, addrs.detokenizer, DETOKENIZER_INBOX)
         to_api = Outbox(ctx, addrs.api)
         to_scheduler = Outbox(ctx, addrs.scheduler)
         ready()

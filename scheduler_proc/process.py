@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection
 import zmq
 
 from wire.addresses import Addresses
+from wire.codec import SCHEDULER_INBOX
 from wire.proc import run_child
 from wire.server_args import ServerArgs
 from wire.sockets import Inbox, Outbox
@@ -63,13 +64,17 @@ def serve(scheduler, inbox: Inbox, watchdog: Watchdog) -> None:
 def main(args: ServerArgs, addrs: Addresses, conn: Connection) -> None:
     def body(ready) -> None:
         # These import torch: after run_child has set the process title.
+        from scheduler_proc.kv_manager import KVManager
         from scheduler_proc.runner import ModelRunner
         from scheduler_proc.scheduler import Scheduler
         runner = ModelRunner(args)
+        kv = KVManager(pool_size=runner.pool_size, max_running=args.max_running_requests,
+                       context_len=runner.context_len, device=runner.device,
+                       use_cache=not args.disable_radix_cache)
         ctx = zmq.Context()
-        inbox = Inbox(ctx, addrs.scheduler)
+        inbox = Inbox(ctx, addrs.scheduler, SCHEDULER_INBOX)
         outbox, to_api = Outbox(ctx, addrs.detokenizer), Outbox(ctx, addrs.api)
-        scheduler = Scheduler(args, runner, outbox.send, to_api.send)
+        scheduler = Scheduler(args, runner, kv, outbox.send, to_api.send)
         watchdog = Watchdog(args.watchdog_timeout)
         ready({"max_total_tokens": runner.pool_size, "context_length": runner.context_len,
                "dtype": str(runner.dtype).removeprefix("torch."), "device": str(runner.device)})

@@ -1,8 +1,11 @@
-"""ModelRunner: owns the model weights, the KV memory and one forward step.
+"""ModelRunner: owns the model weights, the KV buffers (pool.KVCache, `pool_size` slots) and
+one forward step. Which slots and table rows a request uses is the scheduler's KVManager's
+business (kv_manager.py); the runner only reads them.
 
-`forward(segments)` takes the step's segments (which request, which positions), runs one
-model call over the whole ragged batch, computes logits only for the rows that sample, and
-returns one sampled token id per sampling segment. It never decides what to run.
+`forward(segments, req_to_token)` takes the step's segments (which request, which positions)
+and the request-to-token table, runs one model call over the whole ragged batch, computes
+logits only for the rows that sample, and returns one sampled token id per sampling
+segment. It never decides what to run.
 
 Faults: an exception from the model call propagates (the scheduler ends the step's
 requests). Sampling is isolated per request: if sampling the batch raises, each row is
@@ -32,7 +35,7 @@ import torch
 
 from scheduler_proc.attention import StepAttention, decode_kernel_fits
 from scheduler_proc.models import ModelConfig, load_model
-from scheduler_proc.pool import KVCache, ReqToToken, TokenPool
+from scheduler_proc.pool import KVCache
 from scheduler_proc.request import Req
 from scheduler_proc.sampler import sample_tokens, token_logprobs
 from wire.server_args import ServerArgs
@@ -92,11 +95,8 @@ class ModelRunner:
         self.eos_ids = list(self.config.eos_token_ids)
         c = self.config
         self.pool_size = args.max_total_tokens or self._default_pool_size(args)
-        self.pool = TokenPool(self.pool_size)
         self.cache = KVCache(c.num_layers, self.pool_size, c.num_kv_heads, c.head_dim,
                              self.dtype, self.device)
-        self.req_to_token = ReqToToken(args.max_running_requests, self.context_len,
-                                       self.device)
         self.decode_kernel = decode_kernel_fits(self.device, self.dtype, c.num_heads,
                                                 c.num_kv_heads, c.head_dim)
         torch.manual_seed(args.random_seed)
@@ -117,12 +117,14 @@ class ModelRunner:
         return max(1, min(budget // per_token, args.max_running_requests * self.context_len))
 
     @torch.inference_mode()
-    def forward(self, segments: list[Segment]) -> list[int | Exception]:
+    def forward(self, segments: list[Segment],
+                req_to_token: torch.Tensor) -> list[int | Exception]:
         """Run one step and return one sampled id per sampling segment, in segment order,
         or the exception that stopped that row's sampling (see the module docstring).
         Decode segments (length 1) must come first; slots for this step's tokens must
-        already be in each req.slots / the request table. Logprobs, when requested, are
-        appended to req.pending_logprobs / req.input_logprobs."""
+        already be in each req.slots and in row req.row of `req_to_token` (KVManager's
+        request table, on the runner's device). Logprobs, when requested, are appended to
+        req.pending_logprobs / req.input_logprobs."""
         ids: list[int] = []
         positions: list[int] = []
         out_slots: list[int] = []
@@ -145,7 +147,7 @@ class ModelRunner:
             lo, hi = req.input_logprob_positions(seg.start, end)
             if lo < hi:
                 scored.append((req, first_row + lo - seg.start, lo, hi))
-        attn = StepAttention.build(self.cache, self.req_to_token.table, out_slots, decode_rows,
+        attn = StepAttention.build(self.cache, req_to_token, out_slots, decode_rows,
                                    decode_lens, prefills, self.device, self.decode_kernel)
         hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device),
                             torch.tensor(positions, dtype=torch.int64, device=self.device),

@@ -1,6 +1,8 @@
 """The scheduler core: admits requests, picks each step's segments, runs the model, and
-emits one TokenBatch per step. It knows no sockets: process.py feeds it the messages it
-receives (`step`) and sends what it emits (the `send` and `reply` callables).
+emits one TokenBatch per step. It is given a model runner (runner.py: the model and its KV
+buffers) and a KVManager (kv_manager.py: the slot pool, the request table and the prefix
+cache), and knows no sockets: process.py feeds it the messages it receives (`step`) and
+sends what it emits (the `send` and `reply` callables).
 
 A step is a mixed batch: every running request that has finished its prompt decodes one
 token, and up to --chunked-prefill-size prompt tokens are prefilled alongside, so a long
@@ -43,7 +45,6 @@ import math
 import os
 import time
 from collections import deque
-from dataclasses import replace
 from typing import Callable
 
 from scheduler_proc.kv_manager import KVManager
@@ -51,7 +52,7 @@ from scheduler_proc.request import Req
 from scheduler_proc.runner import Segment, leaves_device_unknown
 from wire.messages import (MAX_TOP_LOGPROBS, AbortRequest, ControlReply, DecodeParams,
                            FinishReason, FlushCacheRequest, ReleaseRequest, SchedulerLoad,
-                           TokenBatch, TokenizedRequest, TokenOutput)
+                           TokenBatch, TokenizedRequest, TokenOutput, replace)
 from wire.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
@@ -69,15 +70,16 @@ LOG_RID_CHARS = 80          # a forged rid can be megabytes long: log only its s
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, runner, send: Callable[[TokenBatch], None],
-                 reply: Callable[[ControlReply], None]):
-        """`runner` is a ModelRunner (or a test's stand-in with the same attributes);
-        `send` takes each step's TokenBatch, `reply` each ControlReply."""
+    def __init__(self, args: ServerArgs, runner, kv: KVManager,
+                 send: Callable[[TokenBatch], None], reply: Callable[[ControlReply], None]):
+        """`runner` is a ModelRunner (or a test's stand-in with the same attributes: device,
+        context_len, config, forward); `kv` allocates the KV slots of the runner's buffers
+        and has a table row for each of args.max_running_requests; `send` takes each
+        step's TokenBatch, `reply` each ControlReply."""
         self.args = args
         self.runner = runner
+        self.kv = kv
         self.send, self.reply = send, reply
-        self.kv = KVManager(runner.pool, runner.req_to_token,
-                            use_cache=not args.disable_radix_cache)
         self.eos_ids = set(runner.config.eos_token_ids)
         self.vocab_size = runner.config.vocab_size
         self.waiting: deque[Req] = deque()
@@ -111,7 +113,7 @@ class Scheduler:
         if segments:
             self.run(segments)
         if self.outputs:
-            self.send(TokenBatch(self.outputs, self.load()))
+            self.send(TokenBatch(outputs=self.outputs, load=self.load()))
             self.outputs = []
 
     def run(self, segments: list[Segment]) -> None:
@@ -122,7 +124,7 @@ class Scheduler:
             while True:
                 time.sleep(3600)
         try:
-            next_ids = self.runner.forward(segments)
+            next_ids = self.runner.forward(segments, self.kv.req_to_token.table)
         except Exception as e:
             if leaves_device_unknown(e):
                 raise
@@ -140,7 +142,7 @@ class Scheduler:
         elif isinstance(msg, ReleaseRequest):
             for rid in dict.fromkeys(msg.rids):
                 if (req := self.in_flight.get(rid)) is not None:
-                    self.finish(req, FinishReason("abort",
+                    self.finish(req, FinishReason(type="abort",
                                                   message="Released by the detokenizer."))
         elif isinstance(msg, FlushCacheRequest):
             self.flush_cache(msg.req_id)
@@ -163,13 +165,13 @@ class Scheduler:
         req = Req(msg, self.runner.device)
         self._expire_early_aborts()
         if self.early_aborts.pop(req.rid, None) is not None:
-            self.finish(req, FinishReason("abort", message="Aborted by the client."))
-        elif req.max_total_tokens > self.runner.pool_size:
+            self.finish(req, FinishReason(type="abort", message="Aborted by the client."))
+        elif req.max_total_tokens > self.kv.pool.size:
             # Even alone, with every cached prefix evicted, it could not finish.
             self.finish(req, FinishReason(
-                "abort", status_code=400,
+                type="abort", status_code=400,
                 message=f"The request needs {req.max_total_tokens} KV slots (prompt + "
-                        f"max_new_tokens) but the pool has {self.runner.pool_size}."))
+                        f"max_new_tokens) but the pool has {self.kv.pool.size}."))
         else:
             self.waiting.append(req)
             self.in_flight[req.rid] = req
@@ -211,14 +213,14 @@ class Scheduler:
                     msg.rid[:LOG_RID_CHARS], self.rejected_total, message)
         self.outputs.append(TokenOutput(
             rid=msg.rid, new_ids=[], prompt_tokens=len(msg.input_ids), cached_tokens=0,
-            finish=FinishReason("abort", message=message, status_code=400),
+            finish=FinishReason(type="abort", message=message, status_code=400),
             queue_time=None, decode=DecodeParams()))
 
     def fit_pool(self, msg: TokenizedRequest) -> None:
         """max_new_tokens was a default (chat without max_tokens): lower it, and
         min_new_tokens with it, to what the KV pool can hold next to the prompt. A prompt
         that cannot fit alone is left for `add` to refuse."""
-        s, n, pool = msg.sampling, len(msg.input_ids), self.runner.pool_size
+        s, n, pool = msg.sampling, len(msg.input_ids), self.kv.pool.size
         room = pool - n + 1              # max_total_tokens = n + max_new_tokens - 1
         if s.max_new_tokens > room >= 1:
             msg.sampling = replace(s, max_new_tokens=room,
@@ -233,7 +235,7 @@ class Scheduler:
         fresh = {id(r) for r in arrivals}
         while len(self.waiting) > limit and id(self.waiting[-1]) in fresh:
             self.finish(self.waiting[-1], FinishReason(
-                "abort", status_code=503,
+                type="abort", status_code=503,
                 message=f"The request queue is full ({limit} requests waiting); try again "
                         f"later."))
 
@@ -243,7 +245,7 @@ class Scheduler:
         else:
             found = [r] if (r := self.in_flight.get(msg.rid)) is not None else []
         for req in found:
-            self.finish(req, FinishReason("abort", message=msg.message))
+            self.finish(req, FinishReason(type="abort", message=msg.message))
         if not found and not msg.abort_all:
             self.early_aborts.pop(msg.rid, None)      # re-inserted last: kept in time order
             self.early_aborts[msg.rid] = time.monotonic()
@@ -340,12 +342,12 @@ class Scheduler:
         for seg in segments:        # prefill-only requests end once their prompt is cached
             req = seg.req
             if req.sampling.max_new_tokens == 0 and req.num_computed == req.seq_len:
-                self.finish(req, FinishReason("length", length=0))
+                self.finish(req, FinishReason(type="length", length=0))
         for seg, token in zip([s for s in segments if s.sample], next_ids):
             req = seg.req
             if isinstance(token, Exception):      # logged by the runner
                 self.finish(req, FinishReason(
-                    "abort", status_code=500,
+                    type="abort", status_code=500,
                     message=f"Internal error while sampling this request: "
                             f"{type(token).__name__}: {token}"), valid=seg.start)
                 continue
@@ -366,16 +368,16 @@ class Scheduler:
         message = (f"Internal error in the model forward: {type(error).__name__}: "
                    f"{error}")
         for seg in segments:
-            self.finish(seg.req, FinishReason("abort", status_code=500, message=message),
+            self.finish(seg.req, FinishReason(type="abort", status_code=500, message=message),
                         valid=seg.start)
 
     def check_finished(self, req: Req, token: int) -> FinishReason | None:
         s = req.sampling
         if len(req.output_ids) >= s.max_new_tokens:
-            return FinishReason("length", length=s.max_new_tokens)
+            return FinishReason(type="length", length=s.max_new_tokens)
         if len(req.output_ids) > s.min_new_tokens:
             if (token in self.eos_ids and not s.ignore_eos) or token in s.stop_token_ids:
-                return FinishReason("stop", matched_token=token)
+                return FinishReason(type="stop", matched_token=token)
         return None
 
     def finish(self, req: Req, reason: FinishReason, new_ids: list[int] | None = None,
@@ -422,10 +424,10 @@ class Scheduler:
         else:
             self.kv.flush()
             ok, message = True, "Cache flushed."
-        self.reply(ControlReply(req_id, ok, message, self.load()))
+        self.reply(ControlReply(req_id=req_id, ok=ok, message=message, load=self.load()))
 
     def load(self) -> SchedulerLoad:
-        pool = self.runner.pool
+        pool = self.kv.pool
         self.seq += 1
         return SchedulerLoad(seq=self.seq, running=len(self.running), queued=len(self.waiting),
                              kv_total=pool.size, kv_free=pool.num_free,

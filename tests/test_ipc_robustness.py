@@ -17,7 +17,6 @@ import itertools
 import math
 import os
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -26,7 +25,7 @@ import psutil
 import pytest
 import zmq
 
-from tests.server import Server, serving
+from tests.server import Server, serving, wait_idle, wait_until
 from wire.codec import encode
 from wire.messages import (AbortRequest, ChatMessage, ControlReply, DecodeParams,
                            FinishReason, FlushCacheRequest, GenerateRequest, LogprobRequest,
@@ -41,18 +40,6 @@ VOCAB = 754            # their vocab_size
 SOCKETS = ("api", "tokenizer", "scheduler", "detokenizer")
 CHILDREN = ("tokenizer", "scheduler", "detokenizer")
 _markers = itertools.count(900_001)
-
-
-def wait_until(predicate, timeout: float = 60.0, what: str = "condition"):
-    """Poll an observable state; the timeout only bounds a failure."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +71,6 @@ def push(server, socket: str, frames: list[bytes]) -> None:
                f"the {socket} process to read the pushed frames")
 
 
-def idle(info: dict) -> bool:
-    pool = info["kv_pool"]
-    return (info["running_requests"] == 0 and info["queued_requests"] == 0
-            and pool["free"] + pool["evictable"] == pool["total"] > 0)
-
-
 def assert_serving(server) -> None:
     for p in [psutil.Process(server.proc.pid), *(server.child(n) for n in CHILDREN)]:
         assert p.is_running() and p.status() != psutil.STATUS_ZOMBIE, p
@@ -98,7 +79,7 @@ def assert_serving(server) -> None:
                              sampling_params={"max_new_tokens": 7, "ignore_eos": True})
     assert out["meta_info"]["completion_tokens"] == 7 and len(out["output_ids"]) == 7
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 7}
-    wait_until(lambda: idle(server.server_info()), 60, "the pool to be idle")
+    wait_idle(server)
     assert "Traceback" not in server.logs()
 
 
@@ -119,14 +100,14 @@ GARBAGE = [
     b"\xdd\xff\xff\xff\xff",                          # an array "of 4 billion", then nothing
     b"\xd4\x01\x00",                                  # an ext type
     msgpack.packb({"tag": 1}),
-    msgpack.packb([1]),                               # not [tag, fields]
+    msgpack.packb([1]),                               # a tag without its fields
     msgpack.packb([99, []]),                          # an unknown tag
     msgpack.packb([-1, []]),
     msgpack.packb(["1", []]),
-    msgpack.packb([1, [1, 2]]),                       # wrong arity
-    msgpack.packb([1, ["r", None, None, [1] * 18, False, None, None, False]]),   # wrong types
-    msgpack.packb([5, [[["r", [1.5], None, 0, 0, None, None, None, None]], []]]),
-    msgpack.packb([6, [[["r", b"bytes", [], None, 0, 0, 0, None, None, None]], None]]),
+    msgpack.packb([1, 1, 2]),                         # wrong arity
+    msgpack.packb([1, "r", None, None, [1] * 18, False, None, None, False]),   # wrong types
+    msgpack.packb([5, [["r", [1.5], None, 0, 0, None, None, None, None]], []]),
+    msgpack.packb([6, [["r", b"bytes", [], None, 0, 0, 0, None, None, None]], None]),
     truncated(GenerateRequest("r", "hello", None, SamplingParams())),
     truncated(TokenBatch([TokenOutput("r", [1, 2], None, 1, 0, None)], SchedulerLoad())),
     truncated(TextBatch([TextOutput("r", "x", [1], None)])),

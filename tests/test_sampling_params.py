@@ -1,7 +1,6 @@
 """SamplingParams.from_json: the HTTP boundary for sampling_params (SGLang's defaults/messages)."""
 
-import dataclasses
-
+import msgspec
 import pytest
 
 from wire.sampling import SamplingParams
@@ -147,7 +146,7 @@ def test_annotations_are_wire_types():
     # The codec rebuilds SamplingParams from these annotations.
     allowed = [int, float, str, bool, list[int], list[str], dict[str, float], int | None,
                dict[str, float] | None]
-    for f in dataclasses.fields(SamplingParams):
+    for f in msgspec.structs.fields(SamplingParams):
         assert f.type in allowed, f.name
 
 

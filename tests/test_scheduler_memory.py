@@ -35,6 +35,7 @@ import json, sys
 import psutil
 import torch
 torch.set_num_threads(1)    # two threads on a busy machine: 10x slower, same kernels cached
+from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.models.packed import PackedLinear
 from scheduler_proc.runner import ModelRunner
 from scheduler_proc.scheduler import Scheduler
@@ -48,7 +49,9 @@ if not any(isinstance(m, PackedLinear) for m in runner.model.modules()):
     print(json.dumps({"skip": "the model's linears are not oneDNN's here"}))
     sys.exit()
 batches = []
-core = Scheduler(args, runner, batches.append, lambda reply: None)
+kv = KVManager(pool_size=runner.pool_size, max_running=args.max_running_requests,
+               context_len=runner.context_len, device=runner.device, use_cache=True)
+core = Scheduler(args, runner, kv, batches.append, lambda reply: None)
 
 def prefill(length):
     # Distinct first tokens: no prefix is shared, so the whole prompt is one step's rows.

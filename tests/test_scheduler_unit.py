@@ -1,6 +1,8 @@
-"""The scheduler core driven with a fake model runner: validation of what arrives on its
-socket, fault isolation (a failing forward or sampling row), the KV pool's idle invariant
-afterwards, fitting chat requests to the pool, the queue limit and the watchdog's timer."""
+"""The scheduler core driven with a fake model runner and a real KVManager: validation of
+what arrives on its socket, fault isolation (a failing forward or sampling row), the KV
+pool's idle invariant afterwards, retraction and overcommit, held outputs, aborts and
+releases, fitting chat requests to the pool, the queue limit and the watchdog's timer.
+test_scheduler_random.py drives the same fakes with random traffic."""
 
 from __future__ import annotations
 
@@ -11,12 +13,12 @@ import torch
 
 from scheduler_proc import process
 from scheduler_proc import runner as runner_mod
-from scheduler_proc.pool import ReqToToken, TokenPool
+from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.runner import Segment, sample_isolated
 from scheduler_proc.sampler import seeded_generator
 from scheduler_proc.scheduler import Scheduler
-from wire.messages import (AbortRequest, FlushCacheRequest, LogprobRequest, ReleaseRequest,
-                           TokenizedRequest)
+from wire.messages import (AbortRequest, FlushCacheRequest, LogprobRequest, Logprobs,
+                           ReleaseRequest, TokenizedRequest)
 from wire.sampling import SamplingParams
 from wire.server_args import ServerArgs
 
@@ -29,33 +31,100 @@ class FakeConfig:
     eos_token_ids: list[int] = field(default_factory=lambda: [EOS])
 
 
+def token_after(seq_len: int) -> int:
+    """FakeRunner's model: the token sampled after seq_len known tokens (never EOS)."""
+    return 1 + seq_len % (VOCAB - 1)
+
+
+class RunnerCheckFailed(BaseException):
+    """A FakeRunner check failed: a BaseException, so that the scheduler's fault isolation
+    (which ends a step's requests on an Exception from the forward) lets it through."""
+
+
 class FakeRunner:
-    """ModelRunner's surface without a model: token = 1 + position % (VOCAB - 1) (never EOS).
-    `fail(segments)` may raise (a failed forward) or return {rid: exception} (failed rows)."""
+    """ModelRunner's surface without a model: token = token_after(seq_len). It checks what
+    the real runner relies on: decode segments first, each position's slot in the request
+    table, no slot written twice in a step, and that every position a segment attends holds
+    KV computed for the same tokens (`kv`: slot -> a hash of the tokens up to it; a failed
+    forward leaves its slots' KV unknown). Logprobs (all 0.0) are added where the real
+    runner adds them. `fail(segments)` may raise (a failed forward) or return
+    {rid: exception} (failed sampling rows)."""
 
     device = "cpu"
     context_len = CONTEXT
 
-    def __init__(self, pool_size: int, max_running: int):
-        self.pool_size = pool_size
-        self.pool = TokenPool(pool_size)
-        self.req_to_token = ReqToToken(max_running, CONTEXT, "cpu")
+    def __init__(self):
         self.config = FakeConfig()
         self.fail = lambda segments: {}
         self.steps: list[list[Segment]] = []
+        self.kv: dict[int, int | None] = {}
+        self.hashes: dict[str, tuple[object, list[int]]] = {}   # rid -> (req, its hashes)
 
-    def forward(self, segments):
+    def prefix_hashes(self, req, end: int) -> list[int]:
+        """hashes[p]: a hash of req's tokens 0..p (what position p's KV depends on)."""
+        known, hashes = self.hashes.get(req.rid, (None, []))
+        if known is not req:
+            hashes = []
+            self.hashes[req.rid] = (req, hashes)
+        h = hashes[-1] if hashes else 0
+        for token in req.token_ids(len(hashes), end):
+            h = hash((h, token))
+            hashes.append(h)
+        return hashes
+
+    def forward(self, segments, req_to_token):
+        try:
+            return self._forward(segments, req_to_token)
+        except AssertionError as e:      # not a model failure for the scheduler to survive
+            raise RunnerCheckFailed(str(e)) from e
+
+    def _forward(self, segments, req_to_token):
         self.steps.append(segments)
-        failed = self.fail(segments)
-        return [failed.get(s.req.rid, 1 + s.req.seq_len % (VOCAB - 1))
-                for s in segments if s.sample]
+        lengths = [s.length for s in segments]
+        assert lengths == sorted(lengths, key=lambda n: n != 1), "decode rows must come first"
+        table, written = req_to_token.tolist(), []
+        for seg in segments:
+            req, start, end = seg.req, seg.start, seg.start + seg.length
+            assert start == req.num_computed - seg.length and seg.length > 0
+            assert table[req.row][:end] == req.slots[:end], f"{req.rid}: its table row"
+            hashes = self.prefix_hashes(req, end)
+            kv = [self.kv.get(slot) for slot in req.slots[:start]]
+            assert kv == hashes[:start], f"{req.rid}: the KV of its first {start} positions"
+            self.kv.update(zip(req.slots[start:end], hashes[start:end]))
+            written += req.slots[start:end]
+        assert len(set(written)) == len(written), "a slot written twice in one step"
+        try:
+            failed = self.fail(segments)
+        except AssertionError:
+            raise
+        except Exception:
+            for slot in written:
+                self.kv[slot] = None
+            raise
+        for seg in segments:        # logprobs as the real runner adds them, all 0.0
+            req = seg.req
+            lo, hi = req.input_logprob_positions(seg.start, seg.start + seg.length)
+            if lo < hi:
+                req.input_logprobs.extend(zero_logprobs(req.token_ids(lo + 1, hi + 1)))
+        out = [failed.get(s.req.rid, token_after(s.req.seq_len)) for s in segments if s.sample]
+        for seg, token in zip([s for s in segments if s.sample], out):
+            if seg.req.logprob is not None and isinstance(token, int):
+                seg.req.pending_logprobs = zero_logprobs([token])
+        return out
+
+
+def zero_logprobs(ids: list[int]) -> Logprobs:
+    return Logprobs(token_ids=list(ids), logprobs=[0.0] * len(ids),
+                    top_ids=[[] for _ in ids], top_logprobs=[[] for _ in ids])
 
 
 def make(pool: int = 400, max_running: int = 8, **flags) -> tuple[Scheduler, list, list]:
-    args = ServerArgs(max_running_requests=max_running, chunked_prefill_size=64, **flags)
+    flags.setdefault("chunked_prefill_size", 64)
+    args = ServerArgs(max_running_requests=max_running, **flags)
+    kv = KVManager(pool_size=pool, max_running=max_running, context_len=CONTEXT,
+                   device="cpu", use_cache=not args.disable_radix_cache)
     batches, replies = [], []
-    return Scheduler(args, FakeRunner(pool, max_running), batches.append,
-                     replies.append), batches, replies
+    return Scheduler(args, FakeRunner(), kv, batches.append, replies.append), batches, replies
 
 
 def request(rid: str, ids=(1, 2, 3), **sampling) -> TokenizedRequest:
@@ -77,10 +146,26 @@ def run_until_idle(s: Scheduler, msgs=(), steps: int = 500) -> None:
 
 
 def assert_pool_idle(s: Scheduler) -> None:
-    pool = s.runner.pool
-    assert pool.num_free + s.kv.evictable == pool.size
-    s.kv.cache.check()
+    """Idle: free + evictable == total, every table row free, nothing locked."""
+    pool, rows = s.kv.pool, s.kv.req_to_token
     assert not s.in_flight and not s.running and not s.waiting
+    assert pool.num_free + s.kv.evictable == pool.size
+    assert rows.num_free == rows.size
+    s.kv.check([])
+    if s.kv.cache is not None:
+        s.kv.cache.check()
+
+
+def outputs(batches, rid: str) -> list:
+    return [o for b in batches for o in b.outputs if o.rid == rid]
+
+
+def ids_of(batches, rid: str) -> list[int]:
+    return [t for o in outputs(batches, rid) for t in o.new_ids]
+
+
+def expected_ids(prompt_len: int, n: int) -> list[int]:
+    return [token_after(prompt_len + i) for i in range(n)]
 
 
 # ---- validation of what arrives ---------------------------------------------------------
@@ -264,6 +349,150 @@ def test_sample_isolated_retries_row_by_row(monkeypatch):
     assert out[0] == logits[0].argmax().item() and rows[0].pending_logprobs is not None
     assert isinstance(out[1], RuntimeError)
     assert out[2] == alone[0]                   # the seeded row draws as it would alone
+
+
+# ---- overcommit and retraction, held outputs, aborts and releases ---------------------------
+
+def test_overcommitted_requests_are_retracted_and_still_finish_correctly():
+    # Each needs 3 + 29 = 32 slots: 64 > 50, but admission reserves only 70% of what they
+    # may still generate, so both run until the pool is full; then the newer is retracted.
+    s, batches, _ = make(pool=50, max_running=2)
+    s.step([request("a", [1, 2, 3], max_new_tokens=30, ignore_eos=True),
+            request("b", [4, 5, 6], max_new_tokens=30, ignore_eos=True)])
+    assert [r.rid for r in s.running] == ["a", "b"]              # overcommitted
+    while s.retracted_total == 0:
+        s.step([])
+        s.kv.check(s.running)
+    assert [r.rid for r in s.running] == ["a"] and [r.rid for r in s.waiting] == ["b"]
+    b = s.waiting[0]
+    assert b.row is None and not b.slots and b.output_ids       # holds nothing, keeps outputs
+    run_until_idle(s)
+    f = finishes(batches)
+    assert f["a"].type == f["b"].type == "length" and s.retracted_total == 1
+    for rid, prompt in (("a", 3), ("b", 3)):
+        outs = outputs(batches, rid)
+        assert ids_of(batches, rid) == expected_ids(prompt, 30)  # nothing lost or repeated
+        assert outs[0].decode is not None and all(o.decode is None for o in outs[1:])
+        assert [o.finish is not None for o in outs] == [False] * (len(outs) - 1) + [True]
+    assert s.generated_tokens_total == 60
+    assert_pool_idle(s)
+
+
+def test_a_retracted_request_resumes_from_its_cached_kv():
+    s, batches, _ = make()
+    s.step([request("a", [1, 2, 3], max_new_tokens=30, ignore_eos=True),
+            request("b", list(range(4, 24)), max_new_tokens=12, ignore_eos=True)])
+    for _ in range(4):
+        s.step([])
+    b = s.running[-1]
+    computed = b.num_computed
+    s.retract(b)                                      # as make_room does
+    assert s.kv.evictable == computed and b.row is None
+    s.step([])
+    # Re-admitted at once (the pool is large) with its own positions from the cache: only
+    # its newest token is computed.
+    [seg] = [seg for seg in s.runner.steps[-1] if seg.req is b]
+    assert (seg.start, seg.length, b.prefix_len) == (computed, 1, computed)
+    run_until_idle(s)
+    assert ids_of(batches, "b") == expected_ids(20, 12)
+    assert all(o.cached_tokens == 0 for o in outputs(batches, "b"))   # its first admission
+    assert_pool_idle(s)
+
+
+def test_a_request_that_fits_only_without_the_cache_evicts_it():
+    s, batches, _ = make(pool=40, max_running=4)
+    run_until_idle(s, [request("warm", list(range(1, 31)), max_new_tokens=5)])
+    assert s.kv.evictable == 34
+    run_until_idle(s, [request("big", list(range(31, 41)) * 3, max_new_tokens=11)])
+    assert finishes(batches)["big"].type == "length"
+    assert ids_of(batches, "big") == expected_ids(30, 11)
+    assert_pool_idle(s)
+
+
+def _streamed(msg: TokenizedRequest) -> TokenizedRequest:
+    msg.stream = True
+    return msg
+
+
+def test_held_outputs_of_a_request_nobody_watches():
+    s, batches, _ = make()
+    run_until_idle(s, [request("quiet", max_new_tokens=120, ignore_eos=True),
+                       _streamed(request("loud", max_new_tokens=5, ignore_eos=True)),
+                       request("stops", max_new_tokens=5, ignore_eos=True, stop=["x"])])
+    assert [len(o.new_ids) for o in outputs(batches, "quiet")] == [1, 50, 50, 19]
+    assert [len(o.new_ids) for o in outputs(batches, "loud")] == [1] * 5
+    assert [len(o.new_ids) for o in outputs(batches, "stops")] == [1] * 5
+    assert ids_of(batches, "quiet") == expected_ids(3, 120)
+    assert_pool_idle(s)
+
+
+def test_held_outputs_go_out_with_an_abort_or_a_release():
+    s, batches, _ = make()
+    s.step([request("a", max_new_tokens=100, ignore_eos=True),
+            request("b", [4, 5], max_new_tokens=100, ignore_eos=True)])
+    for _ in range(9):
+        s.step([])
+    assert len(ids_of(batches, "a")) == 1 and len(s.in_flight["a"].held_ids) == 9
+    s.step([AbortRequest(rid="a"), ReleaseRequest(rids=["b"])])
+    f = finishes(batches)
+    assert f["a"].type == "abort" and f["a"].message == "Aborted by the client."
+    assert f["b"].type == "abort" and f["b"].message == "Released by the detokenizer."
+    assert ids_of(batches, "a") == expected_ids(3, 10)
+    assert ids_of(batches, "b") == expected_ids(2, 10)
+    assert s.kv.evictable == (3 + 9) + (2 + 9)                 # their KV is cached
+    assert_pool_idle(s)
+
+
+def test_aborts_of_running_queued_and_not_yet_arrived_requests():
+    s, batches, _ = make(max_running=1)
+    s.step([AbortRequest(rid="early"), request("run", max_new_tokens=50),
+            request("queued", max_new_tokens=50), request("early"), request("last")])
+    f = finishes(batches)
+    assert f["early"].type == "abort" and "early" not in s.in_flight
+    assert [r.rid for r in s.running] == ["run"]
+    s.step([AbortRequest(rid="queued", message="bye")])
+    out = outputs(batches, "queued")
+    assert len(out) == 1 and out[0].finish.message == "bye" and out[0].new_ids == []
+    assert out[0].decode is not None and out[0].queue_time is None
+    s.step([AbortRequest(rid="", abort_all=True)])
+    f = finishes(batches)
+    assert f["run"].type == f["last"].type == "abort" and s.idle
+    s.step([AbortRequest(rid="run"), ReleaseRequest(rids=["queued", "early"])])
+    assert sum(o.finish is not None for b in batches for o in b.outputs) == 4
+    assert_pool_idle(s)
+
+
+def test_release_of_a_queued_request():
+    s, batches, _ = make(max_running=1)
+    s.step([request("a", max_new_tokens=10), request("b", max_new_tokens=10)])
+    s.step([ReleaseRequest(rids=["b", "b"])])
+    [out] = outputs(batches, "b")
+    assert out.finish.message == "Released by the detokenizer." and out.new_ids == []
+    assert [r.rid for r in s.running] == ["a"] and not s.waiting
+    run_until_idle(s)
+    assert finishes(batches)["a"].type == "length"
+    assert_pool_idle(s)
+
+
+@pytest.mark.parametrize("start_len", [0, 20])
+def test_a_request_retracted_before_its_first_output_scores_its_prompt_once(start_len):
+    s, batches, _ = make(chunked_prefill_size=8)
+    msg = request("lp", list(range(1, 41)), max_new_tokens=3)
+    msg.logprob = LogprobRequest(start_len=start_len)
+    s.step([msg])
+    s.step([])
+    req = s.running[0]
+    assert req.num_computed == 16 and not req.announced
+    s.retract(req)                                    # as make_room does
+    assert s.kv.evictable == 16
+    run_until_idle(s)
+    first = outputs(batches, "lp")[0]
+    assert first.input_logprobs.token_ids == list(range(1, 41))[start_len:]
+    # Re-admitted with the cached positions whose logits are not needed (none for 0).
+    assert req.cached_tokens == 0 and ids_of(batches, "lp") == expected_ids(40, 3)
+    [resumed] = [seg for seg in s.runner.steps[2] if seg.req is req]
+    assert resumed.start == min(16, max(start_len - 1, 0))
+    assert_pool_idle(s)
 
 
 # ---- fitting to the pool, the queue limit ---------------------------------------------------

@@ -1,19 +1,27 @@
-"""Unit tests for the wire contract: wire/codec.py, wire/messages.py, wire/sampling.py.
+"""Unit tests for the wire contract: wire/codec.py, wire/messages.py, wire/schema.py,
+wire/sampling.py, and the typed inboxes of wire/sockets.py.
 
-Every message type round-trips to an equal dataclass; anything that is not a valid frame
-raises DecodeError and nothing else (DESIGN.md section 1: never a crash)."""
+Every message type round-trips to an equal message; anything that is not a valid frame, or
+not a message for the inbox that decodes it, raises DecodeError and nothing else (DESIGN.md
+section 1: never a crash)."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
+import typing
 
 import msgpack
+import msgspec
+import numpy as np
 import pytest
+import zmq
 
+from wire import codec
 from wire import messages as m
 from wire.codec import TAGS, DecodeError, decode, encode
 from wire.sampling import SamplingParams
+from wire.schema import WireStruct, field
+from wire.sockets import Inbox, Outbox
 
 FULL_SAMPLING = SamplingParams(
     max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05,
@@ -99,12 +107,15 @@ VALID_FRAMES = [encode(msg) for msg in ALL_SAMPLES]
 
 
 def _frame(tag, fields) -> bytes:
-    return msgpack.packb([tag, fields], use_bin_type=True)
+    return msgpack.packb([tag, *fields], use_bin_type=True)
 
 
 def _fields(msg) -> list:
-    """The plain field array of a message, as the codec puts it on the wire."""
-    return msgpack.unpackb(encode(msg), raw=False)[1]
+    """The plain field values of a message, as the codec puts them on the wire (after the
+    tag)."""
+    tag, *fields = msgpack.unpackb(encode(msg), raw=False)
+    assert tag == TAGS[type(msg)]
+    return fields
 
 
 def _decode_error(frame: bytes) -> DecodeError:
@@ -131,9 +142,9 @@ def test_tags_are_pinned_and_unique():
 def test_round_trip_is_equal(msg):
     frame = encode(msg)
     assert isinstance(frame, bytes)
-    tag, fields = msgpack.unpackb(frame, raw=False)
+    tag, *fields = msgpack.unpackb(frame, raw=False)     # [tag, field values...]
     assert tag == TAGS[type(msg)]
-    assert type(fields) is list and len(fields) == len(dataclasses.fields(msg))
+    assert len(fields) == len(msg.__struct_fields__)
     out = decode(frame)
     assert type(out) is type(msg)
     assert out == msg
@@ -197,7 +208,6 @@ def test_encode_refuses_a_non_message(not_a_message):
 
 
 def test_encode_refuses_a_subclass_of_a_message():
-    @dataclasses.dataclass(slots=True)
     class Sneaky(m.AbortRequest):
         pass
 
@@ -217,10 +227,13 @@ def test_bad_bytes_raise_decode_error(frame):
     _decode_error(frame)
 
 
+_ABORT = _fields(m.AbortRequest("a"))
+
+
 @pytest.mark.parametrize("obj", [
-    5, "x", None, {}, {"1": []}, [], [1], [1, [], 3], ["1", _fields(m.AbortRequest("a"))],
-    [1.0, _fields(m.AbortRequest("a"))], [True, _fields(m.AbortRequest("a"))],
-    [None, []],
+    5, "x", None, {}, {"1": []}, [], [1], [2], ["2", *_ABORT], [2.0, *_ABORT],
+    [True, *_ABORT], [None, *_ABORT], [[2], *_ABORT], [2, _ABORT],  # the last: [tag, [fields]]
+    {"type": 2, "rid": "a", "abort_all": False, "message": "m"},
 ])
 def test_frame_that_is_not_tag_and_fields(obj):
     _decode_error(msgpack.packb(obj, use_bin_type=True))
@@ -242,8 +255,11 @@ def test_wrong_number_of_fields(msg):
 
 
 def test_fields_must_be_an_array_not_a_map():
-    _decode_error(_frame(TAGS[m.AbortRequest], {"rid": "a", "abort_all": False,
-                                                  "message": "m"}))
+    _decode_error(msgpack.packb([TAGS[m.AbortRequest], {"rid": "a", "abort_all": False,
+                                                        "message": "m"}]))
+    gen = _fields(SAMPLES[m.GenerateRequest][0])
+    gen[3] = dict(zip(SamplingParams.__struct_fields__, gen[3]))     # a nested struct as a map
+    _decode_error(_frame(TAGS[m.GenerateRequest], gen))
 
 
 def test_wrong_scalar_types():
@@ -308,7 +324,7 @@ def test_bool_is_not_accepted_for_float():
 
 def test_dict_with_non_str_keys():
     fields = _fields(SAMPLES[m.GenerateRequest][0])
-    fields[3][17] = {1: 2.0}                        # int key: msgpack's strict_map_key rejects
+    fields[3][17] = {1: 2.0}                        # int key
     _decode_error(_frame(TAGS[m.GenerateRequest], fields))
     fields[3][17] = {b"1": 2.0}                     # bin key: the codec's own check rejects
     _decode_error(_frame(TAGS[m.GenerateRequest], fields))
@@ -365,8 +381,8 @@ def _has_nan(msg) -> bool:
     def walk(v):
         if isinstance(v, float):
             return v != v
-        if dataclasses.is_dataclass(v):
-            return any(walk(getattr(v, f.name)) for f in dataclasses.fields(v))
+        if isinstance(v, WireStruct):
+            return any(walk(x) for x in msgspec.structs.astuple(v))
         if isinstance(v, list):
             return any(walk(x) for x in v)
         if isinstance(v, dict):
@@ -418,8 +434,253 @@ def test_fuzz_well_formed_msgpack_with_wrong_shapes():
 
     for i in range(1000):
         msg = ALL_SAMPLES[i % len(ALL_SAMPLES)]
-        frame = _frame(TAGS[type(msg)], mutate(_fields(msg)))
+        fields = mutate(_fields(msg))
+        frame = _frame(TAGS[type(msg)], fields if isinstance(fields, list) else [fields])
         _decode_or_decode_error(frame)
+
+
+# ---- one decoder per inbox -------------------------------------------------------------------
+
+# Who receives what (DESIGN.md section 1). Pinned here so that a change is a decision.
+RECEIVERS = {
+    codec.TOKENIZER_INBOX: {m.GenerateRequest, m.AbortRequest, m.FlushCacheRequest},
+    codec.SCHEDULER_INBOX: {m.TokenizedRequest, m.AbortRequest, m.FlushCacheRequest,
+                            m.ReleaseRequest},
+    codec.DETOKENIZER_INBOX: {m.TokenBatch},
+    codec.API_INBOX: {m.TextBatch, m.ControlReply},
+}
+
+
+def test_inboxes_are_pinned_and_every_message_has_a_receiver():
+    for inbox, receives in RECEIVERS.items():
+        assert inbox.accepts == receives, inbox.name
+    assert set().union(*RECEIVERS.values()) == set(TAGS) == codec.ANY_MESSAGE.accepts
+
+
+@pytest.mark.parametrize("inbox", RECEIVERS, ids=lambda inbox: inbox.name)
+@pytest.mark.parametrize("msg", ALL_SAMPLES, ids=lambda msg: type(msg).__name__)
+def test_a_message_for_another_inbox_is_a_decode_error(inbox, msg):
+    frame = encode(msg)
+    if type(msg) in RECEIVERS[inbox]:
+        assert decode(frame, inbox) == msg
+        assert inbox.decode(frame) == msg
+    else:
+        with pytest.raises(DecodeError, match=f"a {type(msg).__name__} \\(tag "
+                                              f"{TAGS[type(msg)]}\\) is not for the "
+                                              f"{inbox.name} inbox"):
+            inbox.decode(frame)
+
+
+@pytest.mark.parametrize("inbox", RECEIVERS, ids=lambda inbox: inbox.name)
+def test_every_inbox_reports_unknown_tags_and_garbage(inbox):
+    assert "unknown message tag 900001" in str(_inbox_error(inbox, msgpack.packb([900001, []])))
+    assert "not msgpack" in str(_inbox_error(inbox, b"\xc1"))
+    assert "frame is not [tag, fields...]" in str(_inbox_error(inbox, msgpack.packb(["1"])))
+
+
+def _inbox_error(inbox, frame) -> DecodeError:
+    with pytest.raises(DecodeError) as info:
+        inbox.decode(frame)
+    return info.value
+
+
+def test_an_inbox_socket_yields_only_its_messages():
+    ctx = zmq.Context()
+    try:
+        inbox = Inbox(ctx, "inproc://test-wire-inbox", codec.SCHEDULER_INBOX)
+        outbox = Outbox(ctx, "inproc://test-wire-inbox")
+        sent = [m.AbortRequest("a"), m.TextBatch([]), m.ReleaseRequest(["b"]),
+                m.GenerateRequest("g", "hi", None, SamplingParams()), m.FlushCacheRequest("f")]
+        for msg in sent:
+            outbox.send(msg)
+        outbox.send_frame(b"\xc1")
+        got = []
+        while len(got) + inbox.bad_frames < len(sent) + 1:
+            got += inbox.recv(timeout_ms=5000)
+        assert got == [sent[0], sent[2], sent[4]]
+        assert inbox.bad_frames == 3
+        inbox.sock.close()
+        outbox.sock.close()
+    finally:
+        ctx.term()
+
+
+# ---- field checks, field by field ------------------------------------------------------------
+
+def _optional(tp) -> bool:
+    return type(None) in typing.get_args(tp)
+
+
+def _inner(tp):
+    """X for `X | None`; tp otherwise."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if _optional(tp) and len(args) == 1 else tp
+
+
+def _is_struct(tp) -> bool:
+    return isinstance(tp, type) and issubclass(tp, WireStruct)
+
+
+def _slots(tp, values, path=()):
+    """(path, annotation) of every field of every struct on the wire in a sample's fields,
+    nested ones included (the first element of a list of structs)."""
+    for i, f in enumerate(msgspec.structs.fields(tp)):
+        yield path + (i,), f.type
+        inner, value = _inner(f.type), values[i]
+        if _is_struct(inner) and isinstance(value, list):
+            yield from _slots(inner, value, path + (i,))
+        elif typing.get_origin(inner) is list and value and _is_struct(typing.get_args(inner)[0]):
+            yield from _slots(typing.get_args(inner)[0], value[0], path + (i, 0))
+
+
+def _with(msg, path, value) -> bytes:
+    fields = msgpack.unpackb(msgpack.packb(_fields(msg)), raw=False)      # a deep copy
+    target = fields
+    for i in path[:-1]:
+        target = target[i]
+    target[path[-1]] = value
+    return _frame(TAGS[type(msg)], fields)
+
+
+def _every_slot():
+    for msg in ALL_SAMPLES:
+        for path, tp in _slots(type(msg), _fields(msg)):
+            yield msg, path, tp
+
+
+def test_the_field_walk_covers_every_wire_type():
+    seen = {type(msg) for msg in ALL_SAMPLES}
+    for msg, path, tp in _every_slot():
+        inner = _inner(tp)
+        if typing.get_origin(inner) is list:
+            inner = typing.get_args(inner)[0]
+        if _is_struct(inner):
+            seen.add(inner)
+    assert {m.FinishReason, m.DecodeParams, m.SchedulerLoad, m.TokenOutput, m.TextOutput,
+            SamplingParams} <= seen
+
+
+def test_none_is_accepted_only_where_the_annotation_is_optional():
+    checked = 0
+    for msg, path, tp in _every_slot():
+        frame = _with(msg, path, None)
+        if _optional(tp):
+            decode(frame)
+        else:
+            _decode_error(frame)
+        checked += 1
+    assert checked > 150
+
+
+def test_bool_is_never_an_int_or_a_float_and_a_float_never_an_int():
+    for msg, path, tp in _every_slot():
+        inner = _inner(tp)
+        if inner in (int, float):
+            _decode_error(_with(msg, path, True))
+            _decode_error(_with(msg, path, False))
+        if inner is int:
+            _decode_error(_with(msg, path, 1.0))
+            _decode_error(_with(msg, path, "1"))
+
+
+def test_an_int_is_accepted_for_every_float_field_and_becomes_a_float():
+    floats = 0
+    for msg, path, tp in _every_slot():
+        if _inner(tp) is float:
+            out = decode(_with(msg, path, 3))
+            value = out
+            for i in path:
+                value = value[i] if isinstance(value, list) else msgspec.structs.astuple(value)[i]
+            assert type(value) is float and value == 3.0
+            floats += 1
+    assert floats >= 10
+
+
+def test_a_short_array_does_not_fill_in_defaults():
+    # Every field of AbortRequest but rid has a default: a missing field is still an error.
+    assert "AbortRequest" in str(_decode_error(msgpack.packb([TAGS[m.AbortRequest], "a"])))
+    gen = _fields(SAMPLES[m.GenerateRequest][0])
+    err = _decode_error(_frame(TAGS[m.GenerateRequest], [*gen[:3], gen[3][:-1], *gen[4:]]))
+    assert "GenerateRequest.sampling" in str(err)
+
+
+def test_post_init_errors_are_decode_errors():
+    class Checked(WireStruct, tag=99):
+        value: int
+
+        def __post_init__(self):
+            if self.value < 0:
+                raise ValueError("negative")
+            if self.value == 0:
+                raise KeyError("zero")
+
+    inbox = codec.InboxDecoder("test", Checked)
+    assert inbox.decode(msgpack.packb([99, 1])) == Checked(1)
+    assert "negative" in str(_inbox_error(inbox, msgpack.packb([99, -1])))
+    assert "KeyError" in str(_inbox_error(inbox, msgpack.packb([99, 0])))
+
+
+# ---- building and copying messages ---------------------------------------------------------
+
+def test_constructors_keep_their_defaults():
+    assert m.AbortRequest("a") == m.AbortRequest(rid="a", abort_all=False,
+                                                 message="Aborted by the client.")
+    assert m.Logprobs([1], [None]).top_ids == []
+    assert m.Logprobs().token_ids is not m.Logprobs().token_ids      # fresh mutable defaults
+    assert SamplingParams().stop is not SamplingParams().stop
+    assert SamplingParams(n=2, stop=["x"]).n == 2
+    with pytest.raises(TypeError):
+        m.AbortRequest()                                             # rid is required
+    with pytest.raises(TypeError):
+        m.AbortRequest("a", bogus=1)
+    with pytest.raises(TypeError):
+        m.AbortRequest("a", False, "m", 4)
+
+
+def test_wire_types_refuse_bad_declarations():
+    with pytest.raises(TypeError, match="cannot follow"):
+        class _Order(WireStruct):
+            a: int = 0
+            b: int
+    with pytest.raises(TypeError, match="default_factory"):
+        class _Mutable(WireStruct):
+            a: list[int] = [1]
+    with pytest.raises(TypeError, match="renamed"):
+        class _Renamed(WireStruct):
+            a: int = field(default=0, name="b")
+
+    class Fine(WireStruct):
+        a: list[int] = []     
+        b: dict[str, int] = field(default_factory=dict)
+    assert Fine().a == [] and Fine().a is not Fine().a and Fine().b == {}
+
+
+def test_replace_copies_with_changes():
+    req = SAMPLES[m.GenerateRequest][1]
+    out = m.replace(req, rid="other")
+    assert type(out) is m.GenerateRequest and out.rid == "other" and out.text == req.text
+    assert req.rid == UNICODE                                        # the original is untouched
+    s = m.replace(FULL_SAMPLING, n=1, max_new_tokens=0)
+    assert (s.n, s.max_new_tokens, s.stop) == (1, 0, FULL_SAMPLING.stop)
+    with pytest.raises(TypeError):
+        m.replace(req, bogus=1)
+
+
+def test_encode_errors_the_api_turns_into_400s():
+    with pytest.raises(OverflowError):
+        encode(m.TokenizedRequest("r", [2**64], SamplingParams()))
+    with pytest.raises(UnicodeEncodeError):
+        encode(m.AbortRequest("\ud800"))
+    with pytest.raises(TypeError):
+        encode(m.AbortRequest(object()))
+
+
+def test_encode_takes_subclasses_of_plain_values():
+    out = m.TextOutput(rid="a", text="", new_ids=[], finish=None, queue_time=np.float64(0.5))
+    (back,) = decode(encode(m.TextBatch([out]))).outputs
+    assert type(back.queue_time) is float and back.queue_time == 0.5
+    with pytest.raises(TypeError):
+        encode(m.TokenizedRequest("r", [np.int64(1)], SamplingParams()))   # as msgpack did
 
 
 # ---- FinishReason.to_json ----------------------------------------------------------------

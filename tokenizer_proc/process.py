@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -26,9 +25,9 @@ import zmq
 
 from tokenizer_proc.hf_tokenizer import HFTokenizer
 from wire.addresses import Addresses
-from wire.codec import encode
+from wire.codec import TOKENIZER_INBOX, encode
 from wire.messages import (MAX_TOP_LOGPROBS, AbortRequest, FinishReason, FlushCacheRequest,
-                           GenerateRequest, TextBatch, TextOutput, TokenizedRequest)
+                           GenerateRequest, TextBatch, TextOutput, TokenizedRequest, replace)
 from wire.proc import run_child
 from wire.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from wire.server_args import ServerArgs
@@ -336,7 +335,7 @@ def main(args: ServerArgs, addrs: Addresses, conn: Connection) -> None:
         worker = Worker(Tokenizer(args.resolved_tokenizer_path, model_vocab_size(args.model_path),
                                   args.context_length, load_chat_template(args.chat_template)))
         ctx = zmq.Context()
-        inbox = Inbox(ctx, addrs.tokenizer)
+        inbox = Inbox(ctx, addrs.tokenizer, TOKENIZER_INBOX)
         outboxes = {SCHEDULER: Outbox(ctx, addrs.scheduler), API: Outbox(ctx, addrs.api)}
         ready()
         while True:

@@ -1,36 +1,34 @@
-"""The msgpack codec for wire messages. No pickle, ever.
+"""The msgpack codec for wire messages (msgspec underneath). No pickle, ever.
 
-A frame is the msgpack array `[tag, [field values...]]`. Nested message dataclasses are
-plain arrays of their field values, in declaration order. Decoding rebuilds the dataclass
-and checks every value against the field's annotation, so a receiver only ever sees
-well-typed messages; anything else (bad msgpack, unknown tag, wrong arity, wrong type)
-raises DecodeError, which receivers log and count instead of crashing.
+A frame is the msgpack array `[tag, field values...]`: the message's integer tag (declared
+on its class in wire/messages.py), then its fields in declaration order; a nested wire type
+is the array of its own field values.
+
+Each receiving process decodes with the decoder of its inbox (TOKENIZER_INBOX, ...), which
+accepts exactly the messages of that inbox's union in wire/messages.py and checks every
+value against the field annotations on the way in: exactly one value per field, no bool for
+an int or a float, None only where the annotation says `| None`, str map keys, str never
+bin; an int is accepted for a float and becomes one. So a receiver only ever sees
+well-typed messages; anything else (bad msgpack, unknown tag, a message for another inbox,
+wrong arity, wrong type) raises DecodeError, which receivers log and count instead of
+crashing. Range checks are not the codec's: receivers validate values against what they
+know (SamplingParams.verify, vocabulary, context length).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import types
+import re
 import typing
-from typing import Any, Callable
+from typing import Any
 
-import msgpack
+import msgspec
 
 from wire import messages as m
-from wire.sampling import SamplingParams
 
-# Tags are part of the protocol: append, never renumber.
-TAGS: dict[type, int] = {
-    m.GenerateRequest: 1,
-    m.AbortRequest: 2,
-    m.TokenizedRequest: 3,
-    m.ReleaseRequest: 4,
-    m.TokenBatch: 5,
-    m.TextBatch: 6,
-    m.FlushCacheRequest: 7,
-    m.ControlReply: 8,
-}
+_MESSAGES: tuple[type, ...] = typing.get_args(m.Message)
+TAGS: dict[type, int] = {cls: cls.__struct_config__.tag for cls in _MESSAGES}
 _BY_TAG: dict[int, type] = {tag: cls for cls, tag in TAGS.items()}
+assert len(_BY_TAG) == len(TAGS) == len(_MESSAGES), "message tags must be unique"
 
 
 class DecodeError(ValueError):
@@ -39,124 +37,120 @@ class DecodeError(ValueError):
 
 # ---- encoding -------------------------------------------------------------------------------
 
-def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value):
-        return [_plain(getattr(value, f.name)) for f in dataclasses.fields(value)]
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
+def _enc_hook(obj: Any) -> Any:
+    # Subclasses of the plain types (a numpy float64 is a float) go out as the plain type,
+    # as they did with msgpack; anything else is not a wire value.
+    for plain in (float, int, str):
+        if isinstance(obj, plain):
+            return plain(obj)
+    raise TypeError(f"{type(obj).__name__} is not a wire value")
 
 
-def encode(msg: Any) -> bytes:
-    tag = TAGS.get(type(msg))
-    if tag is None:
+_encode = msgspec.msgpack.Encoder(enc_hook=_enc_hook).encode
+
+
+def encode(msg: m.Message) -> bytes:
+    """The frame of a message. TypeError for anything that is not a message (a subclass of
+    one included); OverflowError for an int outside [-2**63, 2**64); UnicodeEncodeError
+    for a lone surrogate."""
+    if type(msg) not in TAGS:
         raise TypeError(f"{type(msg).__name__} is not a wire message")
-    return msgpack.packb([tag, _plain(msg)], use_bin_type=True)
+    return _encode(msg)
 
 
 # ---- decoding -------------------------------------------------------------------------------
 
-Check = Callable[[Any, str], Any]   # (value, path for messages) -> value of the right type
+class InboxDecoder:
+    """Decodes the frames one inbox may receive: exactly the messages of its union."""
+
+    def __init__(self, name: str, union: Any):
+        self.name = name
+        self.accepts: frozenset[type] = frozenset(typing.get_args(union) or (union,))
+        self._by_tag = {cls.__struct_config__.tag: cls for cls in self.accepts}
+        self._decode = msgspec.msgpack.Decoder(union).decode
+
+    def decode(self, frame: bytes) -> Any:
+        """Rebuild a message from a frame. Raises DecodeError for anything that is not one
+        of this inbox's messages."""
+        try:
+            return self._decode(frame)
+        except msgspec.ValidationError as e:
+            raise DecodeError(self._explain(frame, str(e))) from None
+        except msgspec.DecodeError as e:
+            raise DecodeError(f"not msgpack: {e}") from None
+        except Exception as e:  # noqa: BLE001 - e.g. a __post_init__: still a bad frame
+            raise DecodeError(f"{type(e).__name__}: {e}") from e
+
+    def _explain(self, frame: bytes, error: str) -> str:
+        """A validation error in words: which tag, which inbox, which field (slow path)."""
+        try:
+            head = _HEAD(frame)
+            tag = _FIRST(head[0]) if head else None
+        except Exception:  # noqa: BLE001 - e.g. too deeply nested to skip
+            tag = None
+        if type(tag) is not int:
+            return f"frame is not [tag, fields...]: {error}"
+        cls = self._by_tag.get(tag)
+        if cls is not None:
+            return _named_path(cls, error)
+        if tag in _BY_TAG:
+            return f"a {_BY_TAG[tag].__name__} (tag {tag}) is not for the {self.name} inbox"
+        return f"unknown message tag {tag}"
 
 
-def _fail(path: str, want: str, value: Any) -> typing.NoReturn:
-    raise DecodeError(f"{path}: expected {want}, got {type(value).__name__}")
+_HEAD = msgspec.msgpack.Decoder(list[msgspec.Raw]).decode
+_FIRST = msgspec.msgpack.Decoder().decode
+_AT = re.compile(r"`\$((?:\[\d+\])*)([^`]*)`")
+_INDEX = re.compile(r"\[(\d+)\]")
 
 
-def _scalar(tp: type) -> Check:
-    def check(v: Any, path: str) -> Any:
-        if tp is float and type(v) is int:
-            return float(v)
-        # bool is a subclass of int: an int field must not accept True.
-        if type(v) is not tp:
-            _fail(path, tp.__name__, v)
-        return v
-    return check
+def _named_path(cls: type, error: str) -> str:
+    """msgspec's `Expected int, got str - at $[1][1][2]` as
+    `TokenBatch.outputs[1].new_ids[2]: expected int, got str`."""
+    match = _AT.search(error)
+    indices = [int(i) for i in _INDEX.findall(match.group(1))] if match else []
+    path, tp = cls.__name__, cls
+    if indices:
+        indices[0] -= 1                                # the tag is element 0
+    for i in indices:
+        tp = _unwrap_optional(tp)
+        if hasattr(tp, "__struct_fields__"):
+            info = msgspec.structs.fields(tp)
+            if not 0 <= i < len(info):
+                path += f"[{i}]"
+                break
+            path, tp = f"{path}.{info[i].name}", info[i].type
+        elif typing.get_origin(tp) is list:
+            path, tp = f"{path}[{i}]", typing.get_args(tp)[0]
+        else:
+            path += f"[{i}]"
+            break
+    # Every field is required, so msgspec's "at least" / "at most" length is the exact one.
+    error = re.sub(r"of at (?:least|most) length", "of length", error)
+    if match:
+        path += match.group(2)
+        error = error[:match.start()].removesuffix(" - at ").removesuffix(" in ")
+        if error.endswith("`key`"):
+            path, error = f"a key of {path}", error.removesuffix(" - at `key`")
+    return f"{path}: {error[:1].lower()}{error[1:]}"
 
 
-def _compile(tp: Any) -> Check:
-    origin = typing.get_origin(tp)
-    if tp in (int, float, str, bool):
-        return _scalar(tp)
-    if tp is type(None):
-        def check_none(v: Any, path: str) -> None:
-            if v is not None:
-                _fail(path, "null", v)
-        return check_none
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        optional = type(None) in args
-        rest = [a for a in args if a is not type(None)]
-        if len(rest) != 1:
-            raise TypeError(f"unsupported union {tp}")
-        inner = _compile(rest[0])
-
-        def check_optional(v: Any, path: str) -> Any:
-            return None if (v is None and optional) else inner(v, path)
-        return check_optional
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        item = _compile(item_tp)
-
-        def check_list(v: Any, path: str) -> list:
-            if type(v) is not list:
-                _fail(path, "array", v)
-            return [item(x, f"{path}[{i}]") for i, x in enumerate(v)]
-        return check_list
-    if origin is dict:
-        key_tp, val_tp = typing.get_args(tp)
-        if key_tp is not str:
-            raise TypeError(f"dict keys must be str, got {tp}")
-        val = _compile(val_tp)
-
-        def check_dict(v: Any, path: str) -> dict:
-            if type(v) is not dict or any(type(k) is not str for k in v):
-                _fail(path, "map with string keys", v)
-            return {k: val(x, f"{path}.{k}") for k, x in v.items()}
-        return check_dict
-    if dataclasses.is_dataclass(tp):
-        return _dataclass(tp)
-    raise TypeError(f"unsupported wire type {tp!r}")
+def _unwrap_optional(tp: Any) -> Any:
+    """X for `X | None`, else tp."""
+    if typing.get_origin(tp) not in (typing.Union, type(int | None)):
+        return tp
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if len(args) == 1 else tp
 
 
-_DATACLASS_CHECKS: dict[type, Check] = {}
+TOKENIZER_INBOX = InboxDecoder("tokenizer", m.TokenizerInbox)
+SCHEDULER_INBOX = InboxDecoder("scheduler", m.SchedulerInbox)
+DETOKENIZER_INBOX = InboxDecoder("detokenizer", m.DetokenizerInbox)
+API_INBOX = InboxDecoder("api", m.ApiInbox)
+ANY_MESSAGE = InboxDecoder("any", m.Message)      # tests and tools; no process binds this
 
 
-def _dataclass(cls: type) -> Check:
-    if cls in _DATACLASS_CHECKS:
-        return _DATACLASS_CHECKS[cls]
-    hints = typing.get_type_hints(cls)
-    fields = dataclasses.fields(cls)
-    names = [f.name for f in fields]
-    checks: list[Check] = []
-
-    def check(v: Any, path: str) -> Any:
-        if type(v) is not list:
-            _fail(path, f"{cls.__name__} array", v)
-        if len(v) != len(names):
-            raise DecodeError(f"{path}: {cls.__name__} has {len(names)} fields, got {len(v)}")
-        return cls(**{n: c(x, f"{path}.{n}") for n, c, x in zip(names, checks, v)})
-
-    _DATACLASS_CHECKS[cls] = check          # registered before compiling fields: recursion-safe
-    checks.extend(_compile(hints[n]) for n in names)
-    return check
-
-
-_MESSAGE_CHECKS: dict[int, Check] = {tag: _dataclass(cls) for tag, cls in _BY_TAG.items()}
-_compile(SamplingParams)   # fail at import, not at first use, if an annotation is unsupported
-
-
-def decode(frame: bytes) -> Any:
-    """Rebuild a message from a frame. Raises DecodeError for anything that is not one."""
-    try:
-        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated exception types
-        raise DecodeError(f"not msgpack: {e}") from None
-    if type(obj) is not list or len(obj) != 2 or type(obj[0]) is not int:
-        raise DecodeError("frame is not [tag, fields]")
-    check = _MESSAGE_CHECKS.get(obj[0])
-    if check is None:
-        raise DecodeError(f"unknown message tag {obj[0]}")
-    return check(obj[1], _BY_TAG[obj[0]].__name__)
+def decode(frame: bytes, inbox: InboxDecoder = ANY_MESSAGE) -> Any:
+    """Rebuild a message from a frame with an inbox's decoder (default: any message).
+    Raises DecodeError for anything that is not one."""
+    return inbox.decode(frame)

@@ -1,8 +1,11 @@
-"""Every message that crosses a socket, grouped by the process that receives it.
+"""Every message that crosses a socket, grouped by the process that receives it, and the
+union of messages each process's inbox accepts.
 
-Messages are plain dataclasses whose field annotations the codec checks on the way in, so
-only simple annotations are used: int, float, str, bool, list[...], dict[str, ...], nested
-message dataclasses and `X | None`.
+Messages are WireStructs (wire/schema.py: msgspec Structs sent as arrays of their field
+values); the codec checks every value against the field annotations on the way in, so only
+simple annotations are used: int, float, str, bool, list[...], dict[str, ...], nested wire
+types and `X | None`. A message's integer `tag` is part of the protocol: append, never
+renumber.
 
 Invariant kept by the scheduler and relied on downstream: every request the scheduler
 accepts produces exactly one terminal output (finish is not None), whatever ends it.
@@ -10,16 +13,15 @@ accepts produces exactly one terminal output (finish is not None), whatever ends
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+import msgspec
 
 from wire.sampling import SamplingParams
+from wire.schema import WireStruct, field
 
-replace = dataclasses.replace       # copy a message with some fields changed (one spelling)
+replace = msgspec.structs.replace   # copy a message with some fields changed (one spelling)
 
 
-@dataclass(slots=True)
-class FinishReason:
+class FinishReason(WireStruct):
     """Why a request ended, in a form that maps 1:1 onto SGLang's meta_info.finish_reason."""
 
     type: str                           # "length" | "stop" | "abort"
@@ -41,8 +43,7 @@ class FinishReason:
         return out
 
 
-@dataclass(slots=True)
-class ChatMessage:
+class ChatMessage(WireStruct):
     role: str
     content: str
 
@@ -50,8 +51,7 @@ class ChatMessage:
 MAX_TOP_LOGPROBS = 20   # per position, on every route (vLLM's default max_logprobs)
 
 
-@dataclass(slots=True)
-class LogprobRequest:
+class LogprobRequest(WireStruct):
     """What logprobs a request wants (SGLang's return_logprob / top_logprobs_num /
     logprob_start_len). start_len -1: no input logprobs."""
 
@@ -59,8 +59,7 @@ class LogprobRequest:
     start_len: int = -1
 
 
-@dataclass(slots=True)
-class Logprobs:
+class Logprobs(WireStruct):
     """Logprobs of a run of positions: one entry per token. The scheduler fills ids and
     values; the detokenizer adds the token texts."""
 
@@ -82,8 +81,7 @@ class Logprobs:
 
 # ---- api -> tokenizer ---------------------------------------------------------------------
 
-@dataclass(slots=True)
-class GenerateRequest:
+class GenerateRequest(WireStruct, tag=1):
     """One prompt to run, after the API has normalized and validated the HTTP body.
     Exactly one of text / input_ids / messages is set (messages: the tokenizer applies the
     chat template)."""
@@ -100,8 +98,7 @@ class GenerateRequest:
 
 # ---- api -> tokenizer -> scheduler ---------------------------------------------------------
 
-@dataclass(slots=True)
-class AbortRequest:
+class AbortRequest(WireStruct, tag=2):
     """Abort one request by rid, or every request with abort_all."""
 
     rid: str
@@ -109,8 +106,7 @@ class AbortRequest:
     message: str = "Aborted by the client."
 
 
-@dataclass(slots=True)
-class FlushCacheRequest:
+class FlushCacheRequest(WireStruct, tag=7):
     """Drop the prefix cache (only when no request is running). Answered by ControlReply."""
 
     req_id: str
@@ -118,8 +114,7 @@ class FlushCacheRequest:
 
 # ---- tokenizer -> scheduler ----------------------------------------------------------------
 
-@dataclass(slots=True)
-class TokenizedRequest:
+class TokenizedRequest(WireStruct, tag=3):
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
@@ -131,8 +126,7 @@ class TokenizedRequest:
 
 # ---- detokenizer -> scheduler --------------------------------------------------------------
 
-@dataclass(slots=True)
-class ReleaseRequest:
+class ReleaseRequest(WireStruct, tag=4):
     """The detokenizer finished these requests (a stop string matched): free them. The
     scheduler still emits its one terminal output for each, which the detokenizer drops."""
 
@@ -141,8 +135,7 @@ class ReleaseRequest:
 
 # ---- scheduler -> detokenizer --------------------------------------------------------------
 
-@dataclass(slots=True)
-class DecodeParams:
+class DecodeParams(WireStruct):
     """How to turn a request's ids into text; sent with the request's first output only."""
 
     skip_special_tokens: bool = True
@@ -151,8 +144,7 @@ class DecodeParams:
     no_stop_trim: bool = False
 
 
-@dataclass(slots=True)
-class TokenOutput:
+class TokenOutput(WireStruct):
     rid: str
     new_ids: list[int]                  # ids sampled for this rid in this step
     finish: FinishReason | None
@@ -164,8 +156,7 @@ class TokenOutput:
     input_logprobs: Logprobs | None = None   # of the prompt from start_len, first output only
 
 
-@dataclass(slots=True)
-class SchedulerLoad:
+class SchedulerLoad(WireStruct):
     """The scheduler's state after a step; rides along every TokenBatch and TextBatch so the
     API always knows the latest without asking (and an idle server sends nothing)."""
 
@@ -181,8 +172,7 @@ class SchedulerLoad:
     rejected_total: int = 0             # forged or invalid requests the scheduler refused
 
 
-@dataclass(slots=True)
-class TokenBatch:
+class TokenBatch(WireStruct, tag=5):
     """One forward step's outputs: one message per step, not per token."""
 
     outputs: list[TokenOutput]
@@ -191,8 +181,7 @@ class TokenBatch:
 
 # ---- scheduler -> api ------------------------------------------------------------------------
 
-@dataclass(slots=True)
-class ControlReply:
+class ControlReply(WireStruct, tag=8):
     req_id: str
     ok: bool
     message: str
@@ -201,8 +190,7 @@ class ControlReply:
 
 # ---- detokenizer (or tokenizer, for rejects) -> api ----------------------------------------
 
-@dataclass(slots=True)
-class TextOutput:
+class TextOutput(WireStruct):
     rid: str
     text: str                           # new text since the previous output of this rid
     new_ids: list[int]                  # new ids since the previous output of this rid
@@ -215,7 +203,20 @@ class TextOutput:
     input_logprobs: Logprobs | None = None
 
 
-@dataclass(slots=True)
-class TextBatch:
+class TextBatch(WireStruct, tag=6):
     outputs: list[TextOutput]
     load: SchedulerLoad | None = None   # None on tokenizer rejects
+
+
+# ---- who receives what ------------------------------------------------------------------------
+# One union per inbox (the PULL socket its process binds). Each process decodes with its
+# inbox's decoder (wire/codec.py), so a message sent to the wrong process is a DecodeError.
+
+TokenizerInbox = GenerateRequest | AbortRequest | FlushCacheRequest                 # from the API
+SchedulerInbox = (TokenizedRequest | AbortRequest | FlushCacheRequest               # tokenizer
+                  | ReleaseRequest)                                                 # detokenizer
+DetokenizerInbox = TokenBatch                                                       # scheduler
+ApiInbox = TextBatch | ControlReply        # detokenizer and tokenizer (rejects); scheduler
+
+Message = (GenerateRequest | AbortRequest | TokenizedRequest | ReleaseRequest | TokenBatch
+           | TextBatch | FlushCacheRequest | ControlReply)                           # every tag

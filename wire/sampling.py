@@ -22,8 +22,9 @@ can forge one).
 """
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
+
+from wire.schema import WireStruct, field
 
 SAMPLING_EPS = 1e-6          # temperature below this is greedy (SGLang's _SAMPLING_EPS)
 FLOAT32_MAX = 3.4028234663852886e38      # the largest finite float32
@@ -42,9 +43,10 @@ class SamplingError(ValueError):
         self.key = key
 
 
-@dataclass(slots=True)
-class SamplingParams:
-    """One request's sampling parameters. Field order is part of the wire format."""
+class SamplingParams(WireStruct):
+    """One request's sampling parameters. Field order is part of the wire format; decoding
+    checks types only (ranges are `verify`'s job: the scheduler answers a bad one with an
+    abort output for that request instead of dropping the frame)."""
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
@@ -254,7 +256,7 @@ _PARSERS = {
     "spaces_between_special_tokens": _bool, "no_stop_trim": _bool, "n": _int,
     "sampling_seed": _int, "logit_bias": _logit_bias,
 }
-assert set(_PARSERS) == set(SamplingParams.__dataclass_fields__)
+assert set(_PARSERS) == set(SamplingParams.__struct_fields__)
 
 # SGLang accepts these; we do not implement them. Null is tolerated (clients send all keys).
 _SGLANG_UNSUPPORTED = frozenset({

@@ -1,7 +1,9 @@
 """Typed ZeroMQ endpoints: an Inbox (PULL, bound by its owner) and an Outbox (PUSH, connects).
 
-Receivers never see raw frames: a frame that fails to decode (or that the codec fails on in
-any other way) is logged and counted in `Inbox.bad_frames`, then skipped; a peer sending
+Receivers never see raw frames: each inbox decodes with its process's decoder
+(wire.codec.SCHEDULER_INBOX, ...), so it yields only the messages that process receives. A
+frame that fails to decode (or that the codec fails on in any other way) is logged and
+counted in `Inbox.bad_frames`, then skipped; a peer sending
 garbage costs a log line, never the receiving process. High-water marks are unlimited so a
 slow consumer applies back-pressure through memory rather than by dropping or blocking a step.
 """
@@ -13,7 +15,7 @@ import logging
 import zmq
 import zmq.asyncio
 
-from wire.codec import DecodeError, decode, encode
+from wire.codec import DecodeError, InboxDecoder, encode
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +31,15 @@ def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
 class _PullSocket:
     """A bound PULL socket that decodes frames, dropping (and counting) bad ones."""
 
-    def __init__(self, ctx: zmq.Context, address: str):
+    def __init__(self, ctx: zmq.Context, address: str, decoder: InboxDecoder):
         self.sock = _socket(ctx, zmq.PULL)
         self.sock.bind(address)
+        self.decoder = decoder
         self.bad_frames = 0
 
     def _decode(self, frame: bytes):
         try:
-            return decode(frame)
+            return self.decoder.decode(frame)
         except DecodeError as e:
             self.bad_frames += 1
             log.error("dropped a bad frame (%d so far): %s", self.bad_frames, e)
@@ -51,8 +54,8 @@ class Inbox(_PullSocket):
     """The owner's PULL socket. `recv(timeout_ms)` blocks up to timeout (None: forever) for
     the first message, then drains whatever else is already queued without blocking."""
 
-    def __init__(self, ctx: zmq.Context, address: str):
-        super().__init__(ctx, address)
+    def __init__(self, ctx: zmq.Context, address: str, decoder: InboxDecoder):
+        super().__init__(ctx, address, decoder)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
 
