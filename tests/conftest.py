@@ -11,8 +11,14 @@ FAMILIES = ("llama", "qwen2", "qwen3")
 
 
 @pytest.fixture(scope="session")
-def checkpoint_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("checkpoints")
+def checkpoint_root(tmp_path_factory, worker_id):
+    """Built once per run: under pytest-xdist the workers share the run's base directory
+    (ensure_checkpoint builds under a temporary name and renames, so they may race)."""
+    if worker_id == "master":
+        return tmp_path_factory.mktemp("checkpoints")
+    shared = tmp_path_factory.getbasetemp().parent / "checkpoints"
+    shared.mkdir(exist_ok=True)
+    return shared
 
 
 @pytest.fixture(scope="session")

@@ -46,7 +46,9 @@ class Server:
             cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
             start_new_session=True)     # its own process group, as under a shell's job control
         self.client = httpx.Client(base_url=self.url, timeout=120.0)
+        _t0 = time.monotonic()
         self._wait_healthy()
+        with open('/tmp/starts.log','a') as f: f.write(f"{time.monotonic()-_t0:.2f} {os.environ.get('PYTEST_CURRENT_TEST')} {extra}\n")
         self.children = psutil.Process(self.proc.pid).children(recursive=True)
 
     def _wait_healthy(self) -> None:
@@ -126,17 +128,37 @@ class Server:
         self.log.close()
 
 
-def wait_idle(server: "Server", timeout: float = 120.0, poll: float = 0.05) -> dict:
-    """/server_info once nothing runs, waits or is in flight (the timeout only guards
-    against a hang, it assumes no speed)."""
+# ---- waiting for a state (the timeouts only guard against a hang; they assume no speed) ----
+
+def wait_until(condition, timeout: float = 60.0, what: str = "condition"):
+    """Poll condition() until it returns something truthy, and return that."""
     deadline = time.monotonic() + timeout
-    while True:
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def pool_whole(info: dict) -> bool:
+    """The KV pool's idle invariant: every slot is free or holds an evictable prefix."""
+    kv = info["kv_pool"]
+    return kv["free"] + kv["evictable"] == kv["total"] > 0
+
+
+def wait_idle(server: "Server", timeout: float = 60.0) -> dict:
+    """/server_info once nothing runs, waits or is in flight and the pool is whole again."""
+    def idle():
         info = server.server_info()
-        if info["running_requests"] == info["queued_requests"] == \
-                info["requests_in_flight"] == 0:
-            return info
-        assert time.monotonic() < deadline, info
-        time.sleep(poll)
+        return info if (info["running_requests"] == info["queued_requests"] ==
+                        info["requests_in_flight"] == 0 and pool_whole(info)) else None
+    return wait_until(idle, timeout, "the server to go idle with its KV pool whole")
+
+
+def wait_running(server: "Server", n: int = 1) -> dict:
+    """Until /server_info shows n requests running. A unary request shows as running from
+    its first token on: the scheduler sends a request's first token at once."""
+    return wait_until(lambda: (i := server.server_info())["running_requests"] >= n and i,
+                      what=f"{n} running requests")
 
 
 @contextlib.contextmanager

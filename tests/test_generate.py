@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import json
 import socket
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -15,7 +14,7 @@ from transformers import AutoTokenizer
 
 from tests.conftest import FAMILIES
 from tests.reference import assert_greedy_match, greedy_reference
-from tests.server import serving
+from tests.server import pool_whole, serving, wait_idle, wait_running
 
 PROMPTS = ["The quick brown fox", "你好，世界！今天天气", "Emoji 🎉 party 👩‍💻 time ✨",
            "def fibonacci(n):"]
@@ -218,36 +217,6 @@ LONG = {"input_ids": LONG_PROMPT, "sampling_params": {
     "max_new_tokens": CONTEXT - len(LONG_PROMPT) - 1, "ignore_eos": True}}
 
 
-def wait_until(condition, timeout: float = 30.0, what: str = "condition"):
-    """Poll condition() until it returns something truthy; that value is returned. The
-    timeout is a safety net against a hang, not an expectation of speed."""
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
-
-
-def wait_idle(server, timeout: float = 30.0) -> dict:
-    def idle():
-        info = server.server_info()
-        return info if (info["running_requests"] == 0 and info["queued_requests"] == 0 and
-                        info["requests_in_flight"] == 0) else None
-    return wait_until(idle, timeout, "the server to go idle")
-
-
-def wait_running(server, n: int) -> dict:
-    """Until /server_info shows n requests running. A unary request shows as running from
-    its first token on: the scheduler sends a request's first token at once."""
-    return wait_until(lambda: (i := server.server_info())["running_requests"] >= n and i,
-                      what=f"{n} running requests")
-
-
-def assert_pool_idle(info: dict) -> None:
-    kv = info["kv_pool"]
-    assert kv["free"] + kv["evictable"] == kv["total"], kv
-
-
 def send_unary_raw(server, body: dict) -> socket.socket:
     """POST /generate over a bare socket and return it without reading the answer, so the
     test decides when the client goes away."""
@@ -268,7 +237,7 @@ def test_unary_client_disconnect_aborts_the_request(server):
         sock.close()                            # the client goes away
     info = wait_idle(server)
     assert info["generated_tokens_total"] - before < LONG["sampling_params"]["max_new_tokens"]
-    assert_pool_idle(info)
+    assert pool_whole(info), info["kv_pool"]
     # The rid is free again.
     assert server.generate_ok(text="x", rid="unary-goes-away",
                               sampling_params={"max_new_tokens": 1})["meta_info"]["id"]
@@ -286,7 +255,7 @@ def test_abort_request_by_rid_prefix(server):
         meta = r.json()["meta_info"]
         assert meta["finish_reason"]["type"] == "abort", meta
         assert meta["completion_tokens"] < LONG["sampling_params"]["max_new_tokens"]
-    assert_pool_idle(wait_idle(server))
+    wait_idle(server)
 
 
 def test_client_disconnect_aborts_the_request(server):
@@ -299,7 +268,7 @@ def test_client_disconnect_aborts_the_request(server):
             assert first.startswith("data: {"), first     # a frame: the request is running
     info = wait_idle(server)
     assert info["generated_tokens_total"] - before < LONG["sampling_params"]["max_new_tokens"]
-    assert_pool_idle(info)
+    assert pool_whole(info), info["kv_pool"]
     # The rid is free again.
     assert server.generate_ok(text="x", rid="goes-away",
                               sampling_params={"max_new_tokens": 1})["meta_info"]["id"]

@@ -13,28 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.server import Server, serving
+from tests.server import Server, serving, wait_idle, wait_until
 
 pytestmark = pytest.mark.e2e
 
 READ_TIMEOUT = 1.0
 LONG = {"max_new_tokens": 480, "ignore_eos": True}     # cannot finish before it is observed
-
-
-def wait_until(pred, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def idle(server) -> bool:
-    info = server.server_info()
-    pool = info["kv_pool"]
-    return (info["requests_in_flight"] == 0 and info["running_requests"] == 0
-            and pool["free"] + pool["evictable"] == pool["total"])
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +124,7 @@ def test_a_stream_that_is_never_read_is_aborted(server):
     sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     wait_until(lambda: "read nothing for" in server.logs(), what="the stalled-stream warning")
-    wait_until(lambda: idle(server), what="the stream's requests to end")
+    wait_idle(server)
     sock.settimeout(30)
     assert closed_by_server(sock)
     sock.close()
@@ -161,7 +145,7 @@ def test_rid_reuse_never_ends_the_new_request(server):
         second = server.generate_ok(**{**prompt, "rid": "reused"})
         assert second["meta_info"]["id"] == "reused"
         assert second["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
-    wait_until(lambda: idle(server), what="the pool to be idle")
+    wait_idle(server)
 
 
 def test_health_generate_runs_a_token(server):
@@ -187,7 +171,7 @@ def test_max_queued_requests(tiny_model, tmp_path):
                 assert r.json()["meta_info"]["completion_tokens"] == 64
         r = s.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
         assert r.status_code == 200
-        wait_until(lambda: idle(s), what="the pool to be idle")
+        wait_idle(s)
 
 
 def test_auth_on_a_live_server(tiny_model, tmp_path):

@@ -5,14 +5,13 @@ launched server on the tiny llama checkpoint. Greedy outputs are checked against
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.server import serving
+from tests.server import serving, wait_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -366,16 +365,6 @@ def test_malformed_body_is_400(server):
     assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
     r = server.client.post("/v1/completions", json={"model": None})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
-
-
-def wait_idle(server, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout      # a safety net against a hang, not a speed
-    while True:
-        info = server.server_info()
-        if info["requests_in_flight"] == info["running_requests"] == 0:
-            return info
-        assert time.monotonic() < deadline, info
-        time.sleep(0.05)
 
 
 def test_stream_disconnect_aborts_the_request(server, model, tok):

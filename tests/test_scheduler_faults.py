@@ -15,7 +15,7 @@ import httpx
 import pytest
 import zmq
 
-from tests.server import Server, serving
+from tests.server import Server, serving, wait_idle, wait_until
 from wire.codec import encode
 from wire.messages import (AbortRequest, FlushCacheRequest, LogprobRequest, ReleaseRequest,
                            TokenizedRequest)
@@ -43,29 +43,11 @@ def server(model_dir, tmp_path_factory):
         yield s
 
 
-def wait_until(condition, timeout: float = 60.0, what: str = "condition"):
-    """Poll until condition() is truthy; the timeout is a safety net, not a speed."""
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
-
-
-def wait_idle_pool(server) -> dict:
-    def idle():
-        info = server.server_info()
-        kv = info["kv_pool"]
-        return info if (info["running_requests"] == 0 and info["queued_requests"] == 0 and
-                        kv["free"] + kv["evictable"] == kv["total"]) else None
-    return wait_until(idle, what="the scheduler to go idle with its pool whole")
-
-
 def assert_still_serving(server) -> None:
     out = server.generate_ok(text="still here", sampling_params={"max_new_tokens": 3,
                                                                  "ignore_eos": True})
     assert out["meta_info"]["completion_tokens"] == 3
-    wait_idle_pool(server)
+    wait_idle(server)
 
 
 # ---- defect 1: extreme sampling values, on every route ------------------------------------
@@ -169,7 +151,7 @@ def test_forged_messages_on_the_scheduler_socket_leave_it_serving(server, vocab)
                 "forged-logprobs"):
         assert f"rejected request '{rid}'" in logs, rid
     assert "dropped a request with a duplicate rid 'forged-dup'" in logs
-    wait_idle_pool(server)
+    wait_idle(server)
     assert server.client.get("/health").status_code == 200
     assert_still_serving(server)
 
@@ -186,7 +168,7 @@ def test_chat_without_max_tokens_fits_the_pool(server, model_dir):
     # sampled token's KV is never computed).
     assert usage["prompt_tokens"] + usage["completion_tokens"] - 1 == POOL
     assert r.json()["choices"][0]["finish_reason"] == "length"
-    wait_idle_pool(server)
+    wait_idle(server)
 
 
 def test_a_prompt_that_cannot_fit_the_pool_is_still_400(server, model_dir):
