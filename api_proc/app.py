@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import uuid
 
@@ -29,27 +28,29 @@ from api_proc.openai_api import OpenAIHandler
 from api_proc.state import Dispatcher
 from wire.messages import GenerateRequest
 from wire.sampling import SamplingParams
-from wire.server_args import ServerArgs
+from wire.server_args import ServerConfig
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 HEALTH_GENERATE_TIMEOUT = 20.0      # seconds for /health_generate's one-token generation
 
 
-def build_app(args: ServerArgs, dispatcher: Dispatcher, scheduler_info: dict) -> Starlette:
+def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict) -> Starlette:
+    args = config.args
+
     async def health(_: Request) -> Response:
         if dispatcher.lost:
             return JSONResponse({"status": "unhealthy", "message": dispatcher.lost}, 503)
         return JSONResponse({"status": "ok"})
 
     async def model_info(_: Request) -> Response:
-        return JSONResponse({"model_path": args.model_path,
-                             "tokenizer_path": args.resolved_tokenizer_path,
+        return JSONResponse({"model_path": config.model_path,
+                             "tokenizer_path": config.tokenizer_path,
                              "is_generation": True})
 
     secrets = ("api_key", "admin_api_key")
     public_args = {k: ("<set>" if k in secrets and v is not None else v)
-                   for k, v in dataclasses.asdict(args).items()}
+                   for k, v in config.info().items()}
 
     async def server_info(_: Request) -> Response:
         load = dispatcher.load
@@ -147,7 +148,7 @@ def build_app(args: ServerArgs, dispatcher: Dispatcher, scheduler_info: dict) ->
         Route("/get_server_info", server_info, methods=["GET"]),
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/flush_cache", flush_cache, methods=["POST"]),
-        *OpenAIHandler(args, dispatcher).routes(),
+        *OpenAIHandler(config, dispatcher).routes(),
     ]
     origins = parse_origins(args.allowed_origins)
     middleware = [Middleware(Guard, api_key=args.api_key, admin_api_key=args.admin_api_key,

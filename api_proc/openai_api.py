@@ -47,7 +47,7 @@ from api_proc.streaming import DONE, SSEResponse, changes, sse
 from wire.messages import (MAX_TOP_LOGPROBS, ChatMessage, FinishReason, GenerateRequest,
                            LogprobRequest, Logprobs, TextOutput)
 from wire.sampling import SamplingError, SamplingParams
-from wire.server_args import ServerArgs
+from wire.server_args import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -392,15 +392,15 @@ class _LocalTokenizer:
     torch), loaded on first use and run on one thread, off the event loop. Used only for the
     text of token-id prompts that a completion with echo must prepend."""
 
-    def __init__(self, args: ServerArgs):
-        self.args = args
+    def __init__(self, tokenizer_path: str):
+        self.tokenizer_path = tokenizer_path
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openai-tokenizer")
         self.tok = None
 
     def _load(self):
         if self.tok is None:
             from tokenizer_proc.hf_tokenizer import HFTokenizer
-            self.tok = HFTokenizer.from_dir(self.args.resolved_tokenizer_path)
+            self.tok = HFTokenizer.from_dir(self.tokenizer_path)
         return self.tok
 
     async def _run(self, fn, *a):
@@ -422,12 +422,13 @@ class _LocalTokenizer:
 # ---- the routes ------------------------------------------------------------------------------
 
 class OpenAIHandler:
-    def __init__(self, args: ServerArgs, dispatcher: Dispatcher):
-        self.args = args
+    def __init__(self, config: ServerConfig, dispatcher: Dispatcher):
+        self.config = config
+        self.model_id = config.served_model_name
         self.dispatcher = dispatcher
-        self.pipeline = Pipeline(dispatcher, not args.disable_radix_cache)
+        self.pipeline = Pipeline(dispatcher, not config.args.disable_radix_cache)
         self.created = int(time.time())
-        self.tokenizer = _LocalTokenizer(args)
+        self.tokenizer = _LocalTokenizer(config.tokenizer_path)
 
     def routes(self) -> list[Route]:
         return [Route("/v1/models", self.models, methods=["GET"]),
@@ -436,9 +437,9 @@ class OpenAIHandler:
 
     async def models(self, _: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
-            "id": self.args.model_id, "object": "model", "created": self.created,
-            "owned_by": "zserve", "root": self.args.model_path, "parent": None,
-            "max_model_len": self.args.context_length}]})
+            "id": self.model_id, "object": "model", "created": self.created,
+            "owned_by": "zserve", "root": self.config.model_path, "parent": None,
+            "max_model_len": self.config.context_length}]})
 
     async def completions(self, request: Request) -> Response:
         return await self._handle(request, chat=False)
@@ -450,16 +451,16 @@ class OpenAIHandler:
         try:
             body = await read_json(request)
             if chat:
-                parsed = parse_chat(body, self.args.model_id, self.args.context_length)
+                parsed = parse_chat(body, self.model_id, self.config.context_length)
             else:
-                parsed = parse_completion(body, self.args.model_id)
+                parsed = parse_completion(body, self.model_id)
             echo = await self._echo_texts(parsed)
             states = await self.pipeline.start(request, parsed.requests, parsed.warmups)
         except OpenAIError as e:
             return error_response(str(e), e.status, e.param)
         except (BadRequest, SubmitError) as e:
             return error_response(str(e), getattr(e, "status", 400))
-        reply = _Reply(self.args.model_id, chat, parsed, echo,
+        reply = _Reply(self.model_id, chat, parsed, echo,
                        [_Choice(i, s) for i, s in enumerate(states)])
         if parsed.stream:
             return await self._stream(request, reply)
@@ -484,7 +485,7 @@ class OpenAIHandler:
                              [c.state.next() for c in reply.choices], error_response)
         if early is not None:
             return early
-        return SSEResponse(self._events(reply), self.args.send_timeout)
+        return SSEResponse(self._events(reply), self.config.args.send_timeout)
 
     async def _events(self, reply: "_Reply") -> AsyncIterator[str]:
         """Chunks for each choice that changed since the previous write; a choice that

@@ -14,12 +14,10 @@ on; an output for an unknown rid without decode params is dropped. Both are coun
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from pathlib import Path
 
 import zmq
 
@@ -31,7 +29,7 @@ from wire.messages import (DecodeParams, FinishReason, Logprobs, ReleaseRequest,
                            TextOutput, TokenBatch, TokenOutput)
 from wire.proc import run_child
 from wire.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS
-from wire.server_args import ServerArgs
+from wire.server_args import ServerConfig
 from wire.sockets import Inbox, Outbox
 
 log = logging.getLogger(__name__)
@@ -198,19 +196,15 @@ class Detokenizer:
         return lp
 
 
-def model_vocab_size(model_path: str | None) -> int | None:
-    """The model's vocab_size from its config.json (None if unreadable). Read directly: the
-    detokenizer does not load torch for a number."""
-    try:
-        return int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
-    except Exception:
-        return None
+def make_detokenizer(config: ServerConfig) -> Detokenizer:
+    """The detokenizer as the process builds it, from the resolved record (the model's
+    vocabulary size included: config.json is not read again here)."""
+    return Detokenizer(HFTokenizer.from_dir(config.tokenizer_path), config.vocab_size)
 
 
-def main(args: ServerArgs, addrs: Addresses, conn: Connection) -> None:
+def main(config: ServerConfig, addrs: Addresses, conn: Connection) -> None:
     def body(ready) -> None:
-        detok = Detokenizer(HFTokenizer.from_dir(args.resolved_tokenizer_path),
-                            model_vocab_size(args.model_path))
+        detok = make_detokenizer(config)
         ctx = zmq.Context()
         inbox = Inbox(ctx, addrs.detokenizer, DETOKENIZER_INBOX)
         to_api = Outbox(ctx, addrs.api)
@@ -227,4 +221,4 @@ def main(args: ServerArgs, addrs: Addresses, conn: Connection) -> None:
                 to_api.send(text)       # even when empty: it carries the scheduler's load
                 if release:
                     to_scheduler.send(ReleaseRequest(release))
-    run_child("detokenizer", args.log_level, conn, body, ipc_dir=addrs.ipc_dir)
+    run_child("detokenizer", config.args.log_level, conn, body, ipc_dir=addrs.ipc_dir)

@@ -22,7 +22,7 @@ import zmq
 from wire.addresses import Addresses
 from wire.codec import SCHEDULER_INBOX
 from wire.proc import run_child
-from wire.server_args import ServerArgs
+from wire.server_args import ServerConfig
 from wire.sockets import Inbox, Outbox
 
 REARM_INTERVAL = 1.0    # seconds
@@ -61,22 +61,24 @@ def serve(scheduler, inbox: Inbox, watchdog: Watchdog) -> None:
         scheduler.step(msgs)
 
 
-def main(args: ServerArgs, addrs: Addresses, conn: Connection) -> None:
+def main(config: ServerConfig, addrs: Addresses, conn: Connection) -> None:
+    args = config.args
+
     def body(ready) -> None:
         # These import torch: after run_child has set the process title.
         from scheduler_proc.kv_manager import KVManager
         from scheduler_proc.runner import ModelRunner
         from scheduler_proc.scheduler import Scheduler
-        runner = ModelRunner(args)
+        runner = ModelRunner(config)
         kv = KVManager(pool_size=runner.pool_size, max_running=args.max_running_requests,
-                       context_len=runner.context_len, device=runner.device,
+                       context_len=config.context_length, device=runner.device,
                        use_cache=not args.disable_radix_cache)
         ctx = zmq.Context()
         inbox = Inbox(ctx, addrs.scheduler, SCHEDULER_INBOX)
         outbox, to_api = Outbox(ctx, addrs.detokenizer), Outbox(ctx, addrs.api)
         scheduler = Scheduler(args, runner, kv, outbox.send, to_api.send)
         watchdog = Watchdog(args.watchdog_timeout)
-        ready({"max_total_tokens": runner.pool_size, "context_length": runner.context_len,
-               "dtype": str(runner.dtype).removeprefix("torch."), "device": str(runner.device)})
+        ready({"max_total_tokens": runner.pool_size, "context_length": config.context_length,
+               "dtype": config.dtype, "device": str(runner.device)})
         serve(scheduler, inbox, watchdog)
     run_child("scheduler", args.log_level, conn, body, ipc_dir=addrs.ipc_dir)

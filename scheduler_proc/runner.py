@@ -38,7 +38,7 @@ from scheduler_proc.models import ModelConfig, load_model
 from scheduler_proc.pool import KVCache
 from scheduler_proc.request import Req
 from scheduler_proc.sampler import sample_tokens, token_logprobs
-from wire.server_args import ServerArgs
+from wire.server_args import ServerArgs, ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -78,20 +78,18 @@ def bound_onednn_caches() -> None:
         os.environ.setdefault(name, str(ONEDNN_CACHE_CAPACITY))
 
 
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
 class ModelRunner:
-    def __init__(self, args: ServerArgs):
+    def __init__(self, resolved: ServerConfig):
+        """Settings from the resolved record (wire/server_args.py); only the KV pool size is
+        worked out here when --max-total-tokens is not given: it depends on the memory left
+        once the weights are loaded."""
+        args = resolved.args
         bound_onednn_caches()
         self.device = torch.device(args.device)
-        self.dtype = resolve_dtype(args.dtype, args.device)
-        self.config = ModelConfig.from_dir(args.model_path)
-        self.context_len = args.context_length or self.config.max_position_embeddings
-        self.model = load_model(args.model_path, self.dtype, self.device)
+        self.dtype: torch.dtype = getattr(torch, resolved.dtype)
+        self.config = ModelConfig.from_dir(resolved.model_path)
+        self.context_len = resolved.context_length
+        self.model = load_model(resolved.model_path, self.dtype, self.device)
         self.eos_ids = list(self.config.eos_token_ids)
         c = self.config
         self.pool_size = args.max_total_tokens or self._default_pool_size(args)
@@ -101,7 +99,7 @@ class ModelRunner:
                                                 c.num_kv_heads, c.head_dim)
         torch.manual_seed(args.random_seed)
         log.info("model %s (%s) on %s/%s, KV pool %d tokens, decode attention on %s",
-                 args.model_path, c.architecture, self.device, self.dtype, self.pool_size,
+                 resolved.model_path, c.architecture, self.device, self.dtype, self.pool_size,
                  "zserve's CPU kernel" if self.decode_kernel else "SDPA")
 
     def _default_pool_size(self, args: ServerArgs) -> int:

@@ -13,16 +13,26 @@ from starlette.routing import Route
 from api_proc.app import build_app
 from api_proc.state import Dispatcher
 from wire.addresses import Addresses
-from wire.server_args import ServerArgs
+from wire.model_path import ModelFacts
+from wire.server_args import ServerArgs, ServerConfig
 
 KEY, ADMIN = "user-key", "admin-key"
+
+
+def resolved(model_path: str, **flags) -> ServerConfig:
+    """A resolved record for a model that is not there: the app reads no model file."""
+    facts = ModelFacts("LlamaForCausalLM", 512, None, vocab_size=1000, num_params=0,
+                       random_weights=True)
+    return ServerConfig(ServerArgs(model_path=model_path, **flags), model_path=model_path,
+                        tokenizer_path=model_path, served_model_name=model_path,
+                        context_length=512, dtype="float32", model=facts,
+                        model_source="model directory")
 
 
 @pytest.fixture
 def app():
     addrs = Addresses.create()
-    args = ServerArgs(model_path="/nonexistent", context_length=512, api_key=KEY,
-                      admin_api_key=ADMIN)
+    args = resolved("/nonexistent", api_key=KEY, admin_api_key=ADMIN)
     dispatcher = Dispatcher(addrs)
     try:
         yield build_app(args, dispatcher, {})
@@ -111,8 +121,7 @@ def test_cross_origin_requests_are_refused(client):
 def test_allowed_origins_get_cors_headers():
     addrs = Addresses.create()
     try:
-        args = ServerArgs(model_path="/m", context_length=512,
-                          allowed_origins="http://ui.example")
+        args = resolved("/m", allowed_origins="http://ui.example")
         dispatcher = Dispatcher(addrs)
         check_cors(Client(build_app(args, dispatcher, {})))
     finally:
@@ -135,8 +144,7 @@ def test_no_keys_means_an_open_local_server():
     addrs = Addresses.create()
     try:
         dispatcher = Dispatcher(addrs)
-        client = Client(build_app(ServerArgs(model_path="/m", context_length=512),
-                                  dispatcher, {}))
+        client = Client(build_app(resolved("/m"), dispatcher, {}))
         assert client.get("/v1/models").status_code == 200
         assert client.post("/abort_request", json={"rid": "x"}).json() == {"aborted": 0}
     finally:

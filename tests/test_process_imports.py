@@ -22,12 +22,13 @@ PROCESS_BODIES = """
 import json, sys
 from pathlib import Path
 import api_proc.openai_api, launch
-from detokenizer_proc.process import Detokenizer, model_vocab_size
-from tokenizer_proc.hf_tokenizer import HFTokenizer
-from tokenizer_proc.process import Tokenizer, Worker
-path = sys.argv[1]
-Worker(Tokenizer(path, model_vocab_size(path), 64, "{{ messages[0].content }}"))
-Detokenizer(HFTokenizer.from_dir(path), model_vocab_size(path))
+from detokenizer_proc.process import make_detokenizer
+from tokenizer_proc.process import make_worker
+from wire.server_args import ServerArgs
+config = launch.resolve_args(ServerArgs(model_path=sys.argv[1], context_length=64,
+                                        chat_template="{{ messages[0].content }}"))
+make_worker(config)
+make_detokenizer(config)
 print(json.dumps(sorted(m for m in ("torch", "transformers") if m in sys.modules)))
 """
 

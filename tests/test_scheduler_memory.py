@@ -41,10 +41,11 @@ from scheduler_proc.runner import ModelRunner
 from scheduler_proc.scheduler import Scheduler
 from wire.messages import TokenizedRequest
 from wire.sampling import SamplingParams
+from launch import resolve_args
 from wire.server_args import ServerArgs
 
 args = ServerArgs(model_path=sys.argv[1], max_total_tokens=4096)
-runner = ModelRunner(args)
+runner = ModelRunner(resolve_args(args))
 if not any(isinstance(m, PackedLinear) for m in runner.model.modules()):
     print(json.dumps({"skip": "the model's linears are not oneDNN's here"}))
     sys.exit()

@@ -30,7 +30,7 @@ from wire.messages import (MAX_TOP_LOGPROBS, AbortRequest, FinishReason, FlushCa
                            GenerateRequest, TextBatch, TextOutput, TokenizedRequest, replace)
 from wire.proc import run_child
 from wire.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS
-from wire.server_args import ServerArgs
+from wire.server_args import ServerConfig
 from wire.sockets import Inbox, Outbox
 
 log = logging.getLogger(__name__)
@@ -323,17 +323,16 @@ class Worker:
                                              f"({type(e).__name__}).", 500)
 
 
-def model_vocab_size(model_path: str) -> int:
-    """The model's vocab_size from its config.json (the launcher made sure there is one: a
-    GGUF model arrives as its sidecar directory). Read directly: this process does not load
-    the model package, which imports torch."""
-    return int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
+def make_worker(config: ServerConfig) -> Worker:
+    """The worker as the process builds it: everything from the resolved record (the
+    vocabulary size included: config.json is not read again here)."""
+    return Worker(Tokenizer(config.tokenizer_path, config.vocab_size, config.context_length,
+                            load_chat_template(config.args.chat_template)))
 
 
-def main(args: ServerArgs, addrs: Addresses, conn: Connection) -> None:
+def main(config: ServerConfig, addrs: Addresses, conn: Connection) -> None:
     def body(ready) -> None:
-        worker = Worker(Tokenizer(args.resolved_tokenizer_path, model_vocab_size(args.model_path),
-                                  args.context_length, load_chat_template(args.chat_template)))
+        worker = make_worker(config)
         ctx = zmq.Context()
         inbox = Inbox(ctx, addrs.tokenizer, TOKENIZER_INBOX)
         outboxes = {SCHEDULER: Outbox(ctx, addrs.scheduler), API: Outbox(ctx, addrs.api)}
@@ -343,4 +342,4 @@ def main(args: ServerArgs, addrs: Addresses, conn: Connection) -> None:
                 routed = worker.handle(msg)
                 if routed is not None:
                     outboxes[routed[0]].send_frame(routed[1])
-    run_child("tokenizer", args.log_level, conn, body, ipc_dir=addrs.ipc_dir)
+    run_child("tokenizer", config.args.log_level, conn, body, ipc_dir=addrs.ipc_dir)

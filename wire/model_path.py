@@ -127,24 +127,32 @@ def gguf_sidecar_dir(gguf: Path, cache_root: Path | None = None) -> Path:
 
 @dataclass(frozen=True, slots=True)
 class ModelFacts:
-    """What the launcher needs to know of a model before any process loads it."""
+    """What every process needs to know of a model before any of them loads it (part of
+    wire.server_args.ServerConfig)."""
 
     architecture: str
     max_position_embeddings: int
     sliding_window: int | None
+    vocab_size: int                 # rows of the embedding: the ids the model can take or emit
     num_params: int
     random_weights: bool            # one of our tiny test checkpoints
 
 
 def model_facts(path: str) -> ModelFacts:
-    """From config.json (the same defaults as scheduler_proc/models/config.py)."""
+    """From config.json (the same defaults as scheduler_proc/models/config.py). Raises
+    StartupError when the config lacks what a Llama-family model must say."""
     config = json.loads((Path(path) / "config.json").read_text())
     arch = next((a for a in config.get("architectures") or [] if a in SUPPORTED_ARCHITECTURES),
                 str(config.get("architectures")))
-    return ModelFacts(arch, int(config.get("max_position_embeddings", 2048)),
-                      config.get("sliding_window") if arch == "MistralForCausalLM" else None,
-                      _num_params(config),
-                      (Path(path) / RANDOM_WEIGHTS_MARKER).exists())
+    try:
+        return ModelFacts(arch, int(config.get("max_position_embeddings", 2048)),
+                          config.get("sliding_window") if arch == "MistralForCausalLM" else None,
+                          int(config["vocab_size"]), _num_params(config),
+                          (Path(path) / RANDOM_WEIGHTS_MARKER).exists())
+    except KeyError as e:
+        raise StartupError(f"--model-path {path}: config.json has no {e.args[0]}") from None
+    except (TypeError, ValueError) as e:
+        raise StartupError(f"--model-path {path}: config.json: {e}") from None
 
 
 def _num_params(c: dict) -> int:

