@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from checkpoints.tiny import ensure_checkpoint
-from tests.server import Server
+from tests.server import Server, serving
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -25,6 +25,16 @@ def checkpoint_root(tmp_path_factory, worker_id):
 def tiny_model(checkpoint_root):
     """tiny_model(family) -> path of that family's tiny checkpoint."""
     return lambda family: ensure_checkpoint(family, root=checkpoint_root)
+
+
+@pytest.fixture(scope="session")
+def llama_server(tiny_model, tmp_path_factory):
+    """One tiny llama server with default flags, shared by every module that needs nothing
+    else (a launch costs seconds of CPU on a 2-core machine). Each test leaves it as it
+    found it: idle, its pool whole (tests/server.py wait_idle); a test that needs an empty
+    prefix cache flushes it first."""
+    with serving(tiny_model("llama"), tmpdir=tmp_path_factory.mktemp("shared")) as s:
+        yield s
 
 
 @pytest.fixture

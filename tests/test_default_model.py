@@ -215,6 +215,9 @@ def test_float32_chat_route_matches_transformers(reference, float32_outputs):
                               r["logprobs"], n, what)
 
 
+@pytest.mark.slow     # ~25 s here: bfloat16 has no fast path on a CPU without AVX-512;
+#                      the bfloat16 path itself is in `make test` on a tiny model
+#                      (test_bfloat16_e2e.py)
 def test_bfloat16_greedy_matches_transformers(reference, server_bf16):
     """ids equal to transformers' bfloat16 ones until the first step where ours differs,
     which must be a near tie of the reference (margin < BF16_TIE); enough steps must agree

@@ -59,6 +59,11 @@ def server(request, tiny_model, tmp_path_factory):
     flags, env = CONFIGS[config]
     if config == "torch-kernels" and not kernels.available("cpu", torch.float32):
         pytest.skip("no CPU kernels on this machine: every configuration runs torch's path")
+    if (family, config) == ("llama", "radix"):          # default flags: the shared server
+        s = request.getfixturevalue("llama_server")
+        s.config, s.model_dir = config, tiny_model(family)
+        yield s
+        return
     with serving(tiny_model(family), *flags, tmpdir=tmp_path_factory.mktemp("srv"),
                  env=env) as s:
         s.config = config

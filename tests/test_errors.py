@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.server import serving
+
 
 CONTEXT = 512   # the tiny checkpoints' max_position_embeddings
 
@@ -13,9 +13,8 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    with serving(tiny_model("llama"), tmpdir=tmp_path_factory.mktemp("srv")) as s:
-        yield s
+def server(llama_server):
+    return llama_server
 
 
 def post_raw(server, content: bytes, headers=None):

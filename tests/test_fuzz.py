@@ -28,7 +28,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.server import serving, wait_idle
+from tests.server import wait_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -45,10 +45,11 @@ FUZZ = settings(max_examples=POST_EXAMPLES, deadline=None, derandomize=True, dat
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    with serving(tiny_model("llama"), tmpdir=tmp_path_factory.mktemp("srv")) as s:
-        s.client.timeout = httpx.Timeout(TIMEOUT)
-        yield s
+def server(llama_server):
+    before = llama_server.client.timeout
+    llama_server.client.timeout = httpx.Timeout(TIMEOUT)
+    yield llama_server
+    llama_server.client.timeout = before
 
 
 @pytest.fixture(scope="module")

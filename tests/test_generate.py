@@ -37,7 +37,10 @@ def model_dir(family, tiny_model):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
+def server(family, model_dir, tmp_path_factory, request):
+    if family == "llama":
+        yield request.getfixturevalue("llama_server")      # default flags: the shared one
+        return
     with serving(model_dir, tmpdir=tmp_path_factory.mktemp("srv")) as s:
         yield s
 

@@ -152,44 +152,57 @@ def test_health_generate_runs_a_token(server):
     assert server.client.get("/health_generate").status_code == 200
 
 
-# ---- limits that need their own server ---------------------------------------------------------
+# ---- limits and keys: one more server ----------------------------------------------------------
 
-def test_max_queued_requests(tiny_model, tmp_path):
-    with serving(tiny_model("llama"), "--max-queued-requests", "4",
-                 "--max-running-requests", "2", tmpdir=tmp_path) as s:
-        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 64,
-                                                            "ignore_eos": True}}
-        with ThreadPoolExecutor(40) as pool:
-            rs = list(pool.map(lambda _: s.client.post("/generate", json=body), range(40)))
-        codes = [r.status_code for r in rs]
-        assert set(codes) <= {200, 503}, codes
-        assert codes.count(503) > 0 and codes.count(200) >= 4, codes
-        for r in rs:
-            if r.status_code == 503:
-                assert "--max-queued-requests 4" in r.json()["error"]["message"]
-            else:
-                assert r.json()["meta_info"]["completion_tokens"] == 64
-        r = s.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
-        assert r.status_code == 200
+USER, ADMIN = {"Authorization": "Bearer k1"}, {"Authorization": "Bearer k2"}
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_model, tmp_path_factory):
+    """A queue limit and both keys (they do not interact: the queue test sends the user key)."""
+    with serving(tiny_model("llama"), "--max-queued-requests", "4", "--max-running-requests",
+                 "2", "--api-key", "k1", "--admin-api-key", "k2",
+                 tmpdir=tmp_path_factory.mktemp("guarded")) as s:
+        yield s
+
+
+def test_max_queued_requests(guarded):
+    s = guarded
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 64,
+                                                        "ignore_eos": True}}
+    with ThreadPoolExecutor(40) as pool:
+        rs = list(pool.map(lambda _: s.client.post("/generate", json=body, headers=USER),
+                           range(40)))
+    codes = [r.status_code for r in rs]
+    assert set(codes) <= {200, 503}, codes
+    assert codes.count(503) > 0 and codes.count(200) >= 4, codes
+    for r in rs:
+        if r.status_code == 503:
+            assert "--max-queued-requests 4" in r.json()["error"]["message"]
+        else:
+            assert r.json()["meta_info"]["completion_tokens"] == 64
+    r = s.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1}, headers=USER)
+    assert r.status_code == 200
+    s.client.headers.update(USER)           # wait_idle reads /server_info
+    try:
         wait_idle(s)
+    finally:
+        del s.client.headers["Authorization"]
 
 
-def test_auth_on_a_live_server(tiny_model, tmp_path):
-    with serving(tiny_model("llama"), "--api-key", "k1", "--admin-api-key", "k2",
-                 tmpdir=tmp_path) as s:
-        assert s.client.get("/health").status_code == 200
-        assert s.generate(text="a").status_code == 401
-        user = {"Authorization": "Bearer k1"}
-        r = s.client.post("/generate", json={"text": "a", "sampling_params": {
-            "max_new_tokens": 2}}, headers=user)
-        assert r.status_code == 200
-        assert s.client.post("/flush_cache", headers=user).status_code == 403
-        r = s.client.post("/flush_cache", headers={"Authorization": "Bearer k2"})
-        assert r.status_code == 200
-        from openai import AuthenticationError, OpenAI
-        with pytest.raises(AuthenticationError):
-            OpenAI(base_url=s.url + "/v1", api_key="wrong").models.list()
-        assert OpenAI(base_url=s.url + "/v1", api_key="k1").models.list().data
+def test_auth_on_a_live_server(guarded):
+    s = guarded
+    assert s.client.get("/health").status_code == 200
+    assert s.generate(text="a").status_code == 401
+    r = s.client.post("/generate", json={"text": "a", "sampling_params": {
+        "max_new_tokens": 2}}, headers=USER)
+    assert r.status_code == 200
+    assert s.client.post("/flush_cache", headers=USER).status_code == 403
+    assert s.client.post("/flush_cache", headers=ADMIN).status_code == 200
+    from openai import AuthenticationError, OpenAI
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=s.url + "/v1", api_key="wrong").models.list()
+    assert OpenAI(base_url=s.url + "/v1", api_key="k1").models.list().data
 
 
 STALL = {"ZSERVE_TEST_STALL_AFTER_STEPS": "1"}    # the scheduler hangs after its first step

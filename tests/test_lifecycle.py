@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
-from tests.server import Server
+from tests.server import Server, wait_idle
 
 CHILDREN = ("tokenizer", "scheduler", "detokenizer")
 
@@ -69,25 +69,21 @@ def test_signal_to_the_whole_process_group_exits_cleanly(tiny_model, tmp_path, s
         s.kill()
 
 
-def test_idle_server_uses_no_cpu(tiny_model, tmp_path):
-    s = Server(tiny_model("llama"), tmpdir=tmp_path)
-    try:
-        s.generate_ok(text="warm up", sampling_params={"max_new_tokens": 8})
-        info = s.server_info()
-        assert info["requests_in_flight"] == info["running_requests"] == 0, info
-        procs = [psutil.Process(s.proc.pid), *s.children]
-        # A busy-waiting loop uses a core in every window; a window that catches leftover
-        # work (a startup thread winding down, a neighbour stealing time) is measured again.
-        used = []
-        for _ in range(3):
-            before, t0 = cpu_seconds(procs), time.monotonic()
-            time.sleep(2.0)
-            used.append((cpu_seconds(procs) - before) / (time.monotonic() - t0))
-            if used[-1] < 0.05:
-                break
-        assert min(used) < 0.05, f"idle server used {min(used):.1%} of a core at best"
-    finally:
-        s.terminate()
+def test_idle_server_uses_no_cpu(llama_server):
+    s = llama_server
+    s.generate_ok(text="warm up", sampling_params={"max_new_tokens": 8})
+    wait_idle(s)
+    procs = [psutil.Process(s.proc.pid), *s.children]
+    # A busy-waiting loop uses a core in every window; a window that catches leftover work
+    # (a startup thread winding down, a neighbour stealing time) is measured again.
+    used = []
+    for _ in range(3):
+        before, t0 = cpu_seconds(procs), time.monotonic()
+        time.sleep(2.0)
+        used.append((cpu_seconds(procs) - before) / (time.monotonic() - t0))
+        if used[-1] < 0.05:
+            break
+    assert min(used) < 0.05, f"idle server used {min(used):.1%} of a core at best"
 
 
 # A request that cannot finish before the test kills a child: it runs to the end of the

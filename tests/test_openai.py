@@ -11,7 +11,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.server import serving, wait_idle
+from tests.server import wait_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -28,9 +28,8 @@ def model_dir(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    with serving(model_dir, tmpdir=tmp_path_factory.mktemp("srv")) as s:
-        yield s
+def server(llama_server):
+    return llama_server
 
 
 @pytest.fixture(scope="module")

@@ -44,9 +44,8 @@ def libtorch_mapped(proc: psutil.Process) -> bool:
 
 
 @pytest.mark.e2e
-def test_only_the_scheduler_maps_libtorch(tiny_model, launch):
-    path = tiny_model("llama")
-    server = launch(path)
+def test_only_the_scheduler_maps_libtorch(tiny_model, llama_server):
+    path, server = tiny_model("llama"), llama_server
     # The API process loads its own tokenizer on first use: echo a token-id prompt.
     ids = [40, 41, 42, 0, 43]
     r = server.client.post("/v1/completions", json={"prompt": ids, "echo": True,
