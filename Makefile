@@ -24,8 +24,10 @@ $(STAMP): setup.cfg pyproject.toml
 serve: install
 	$(BIN)/python launch.py $(ARGS)
 
+# Test files run in parallel, a file per worker at a time (its module-scoped servers stay
+# in one process): two workers on the 2-core machine the suite is sized for.
 test: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n auto --maxprocesses 4 --dist loadfile
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
