@@ -230,17 +230,19 @@ def _on_signal(signum, _frame) -> None:
 
 
 def serve(config: ServerConfig, listener: socket.socket) -> int:
-    from api_proc.app import build_app
-    from api_proc.server import make_server
-    from api_proc.state import Admission, Dispatcher
-
     args = config.args
     addrs = Addresses.create()
     children = None
     try:
+        # The children first: the scheduler's model load is the long pole of startup. The
+        # API's own modules load meanwhile (ZeroMQ queues what a child sends before the
+        # API's inbox is bound).
+        children = Children(config, addrs)
+        from api_proc.app import build_app
+        from api_proc.server import make_server
+        from api_proc.state import Admission, Dispatcher
         dispatcher = Dispatcher(addrs, Admission(args.max_queued_requests,
                                                  args.request_timeout))
-        children = Children(config, addrs)
         infos = children.wait_ready()
         pool = infos["scheduler"]["max_total_tokens"]
         dispatcher.load = SchedulerLoad(kv_total=pool, kv_free=pool)

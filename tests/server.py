@@ -35,7 +35,9 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         model_args = [] if model_path is None else ["--model-path", str(model_path)]
-        env = {**os.environ, **(env or {})}
+        # One intra-op thread per server: the suite runs two test files at once on two
+        # cores, and spinning OpenMP workers of two servers would only steal each other's time.
+        env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
         if tmpdir is not None:                  # where the server's ipc directory goes
             env["TMPDIR"] = str(tmpdir)
         self.log_path = Path(tmpdir or "/tmp") / f"zserve-{self.port}.log"
@@ -61,7 +63,7 @@ class Server:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.25)
+            time.sleep(0.05)
         self.kill()
         raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT}s:\n{self.logs()}")
 
