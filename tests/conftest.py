@@ -48,3 +48,10 @@ def launch(tmp_path):
     yield start
     for s in servers:
         s.terminate()
+
+
+def pytest_collection_modifyitems(items):
+    """End-to-end files first (stable otherwise): under pytest-xdist the files are handed to
+    the workers in this order, and ending on short unit files keeps both workers busy to the
+    end instead of one waiting on the other's last server."""
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
