@@ -25,9 +25,13 @@ serve: install
 	$(BIN)/python launch.py $(ARGS)
 
 # Test files run in parallel, a file per worker at a time (its module-scoped servers stay
-# in one process): two workers on the 2-core machine the suite is sized for.
+# in one process): two workers on the 2-core machine the suite is sized for. Bytecode is
+# cached even where the environment says not to (PYTHONDONTWRITEBYTECODE): every server a
+# test starts is four fresh interpreters, and pytest rewrites the test modules' asserts
+# on every run without it (__pycache__ is git-ignored).
 test: install
-	$(BIN)/python -m pytest -q -m "not slow" -n auto --maxprocesses 4 --dist loadfile
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -m "not slow" -n auto \
+		--maxprocesses 4 --dist loadfile
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
