@@ -7,13 +7,14 @@ The flags are resolved against the model once (resolve_args: the model path, con
 dtype, vocabulary...) into a frozen ServerConfig (wire/server_args.py), which every child
 receives and none re-derives.
 
-The launcher is the API process. It spawns the tokenizer, scheduler and detokenizer
-(multiprocessing "spawn"), waits for each to report ready, then serves HTTP with uvicorn on
-uvloop. A supervisor thread blocks on the children's sentinels: if one dies, /health turns
-503, requests in flight fail with 503, and the launcher tears everything down and exits 1.
-SIGTERM/SIGINT: uvicorn stops accepting and lets in-flight requests finish for up to
---shutdown-timeout seconds, then ends the rest with a 503 (api_proc/server.py); then the
-children are stopped, the ipc directory removed, and the exit code is 0.
+The launcher is the API process. It spawns the tokenizer workers (--tokenizer-worker-num),
+the scheduler and the detokenizer (multiprocessing "spawn"), waits for each to report
+ready, then serves HTTP with uvicorn on uvloop. A supervisor thread blocks on the
+children's sentinels: if one dies, /health turns 503, requests in flight fail with 503, and
+the launcher tears everything down and exits 1. SIGTERM/SIGINT: uvicorn stops accepting
+and lets in-flight requests finish for up to --shutdown-timeout seconds, then ends the rest
+with a 503 (api_proc/server.py); then the children are stopped, the ipc directory removed,
+and the exit code is 0.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import setproctitle
 
-from wire.addresses import Addresses
+from wire.addresses import Addresses, worker_title
 from wire.messages import SchedulerLoad
 from wire.model_path import (SIDECAR_FILE, StartupError, describe_source, gguf_sidecar_dir,
                              model_facts, resolve_model_path)
@@ -141,7 +142,9 @@ def bind_listener(host: str, port: int) -> socket.socket:
 
 
 class Children:
-    """The pipeline's processes, started and stopped together."""
+    """The pipeline's processes, started and stopped together: --tokenizer-worker-num
+    tokenizers ("tokenizer", "tokenizer-1", ...), the scheduler and the detokenizer, each
+    under its own name. Any one of them dying takes the server down."""
 
     def __init__(self, config: ServerConfig, addrs: Addresses):
         import detokenizer_proc.process
@@ -150,11 +153,13 @@ class Children:
         ctx = mp.get_context("spawn")
         self.procs: dict[str, mp.Process] = {}
         self.ready_pipes = {}
-        for name, target in [("tokenizer", tokenizer_proc.process.main),
-                             ("scheduler", scheduler_proc.process.main),
-                             ("detokenizer", detokenizer_proc.process.main)]:
+        specs = [(worker_title("tokenizer", i), tokenizer_proc.process.main, (i,))
+                 for i in range(len(addrs.tokenizer))]
+        specs += [("scheduler", scheduler_proc.process.main, ()),
+                  ("detokenizer", detokenizer_proc.process.main, ())]
+        for name, target, extra in specs:
             recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=target, args=(config, addrs, send), name=name)
+            proc = ctx.Process(target=target, args=(config, addrs, *extra, send), name=name)
             proc.start()
             send.close()
             self.procs[name] = proc
@@ -231,7 +236,7 @@ def _on_signal(signum, _frame) -> None:
 
 def serve(config: ServerConfig, listener: socket.socket) -> int:
     args = config.args
-    addrs = Addresses.create()
+    addrs = Addresses.create(tokenizer_workers=args.tokenizer_worker_num)
     children = None
     try:
         # The children first: the scheduler's model load is the long pole of startup. The

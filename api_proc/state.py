@@ -188,7 +188,8 @@ class Dispatcher:
         ctx = self.ctx = zmq.asyncio.Context()
         self.inbox = AsyncInbox(ctx, addrs.api, API_INBOX)
         # A plain (non-awaiting) send on an asyncio socket: sends never block (no HWM), and
-        # aborts must be sendable from cancellation paths that cannot await.
+        # aborts must be sendable from cancellation paths that cannot await. One PUSH
+        # connected to every tokenizer worker: ZeroMQ hands them messages round-robin.
         self.to_tokenizer = Outbox(ctx, addrs.tokenizer)
         self.admission = admission
         self.states: dict[str, RequestState] = {}     # internal id -> state

@@ -14,6 +14,7 @@ import pytest
 from detokenizer_proc.process import make_detokenizer
 from launch import resolve_args
 from tokenizer_proc.process import make_worker
+from wire.addresses import Addresses
 from wire.server_args import ServerArgs, ServerConfig, concrete_dtype, flag_type
 
 
@@ -59,13 +60,37 @@ def test_flag_types_come_from_type_objects():
 @pytest.mark.parametrize("argv", [["--port", "http"], ["--dtype", "float8"],
                                   ["--device", "tpu"], ["--request-timeout", "soon"],
                                   ["--max-running-requests", "0"], ["--context-length", "0"],
-                                  ["--mem-fraction-static", "1.5"]])
+                                  ["--mem-fraction-static", "1.5"],
+                                  ["--tokenizer-worker-num", "0"],
+                                  ["--tokenizer-worker-num", "-2"],
+                                  ["--tokenizer-worker-num", "1.5"]])
 def test_bad_values_are_refused(argv, capsys):
     with pytest.raises(SystemExit) as e:
         parse(*argv)
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("zserve: ") and len(err.strip().splitlines()) == 1, err
+
+
+def test_tokenizer_worker_num_defaults_to_one_and_must_be_at_least_one(capsys):
+    assert ServerArgs().tokenizer_worker_num == 1
+    assert parse("--tokenizer-worker-num", "3").tokenizer_worker_num == 3
+    with pytest.raises(SystemExit) as e:
+        parse("--tokenizer-worker-num", "0")
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "zserve: --tokenizer-worker-num must be positive\n"
+
+
+def test_one_tokenizer_address_per_worker_the_first_keeps_its_name():
+    for n in (1, 3):
+        addrs = Addresses.create(tokenizer_workers=n)
+        try:
+            names = [a.rsplit("/", 1)[1] for a in addrs.tokenizer]
+            assert names == ["tokenizer", "tokenizer-1", "tokenizer-2"][:n]
+            assert all(a == f"ipc://{addrs.ipc_dir}/{name}"
+                       for a, name in zip(addrs.tokenizer, names))
+        finally:
+            addrs.cleanup()
 
 
 # ---- the records are frozen ------------------------------------------------------------------

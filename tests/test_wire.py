@@ -505,6 +505,30 @@ def test_an_inbox_socket_yields_only_its_messages():
         ctx.term()
 
 
+def test_an_outbox_to_several_workers_hands_them_messages_in_turn():
+    """--tokenizer-worker-num: the API's one PUSH connected to every worker's inbox is the
+    load balancer (ZeroMQ round-robins a PUSH socket's messages over its peers)."""
+    ctx = zmq.Context()
+    try:
+        addresses = [f"inproc://test-wire-worker-{i}" for i in range(3)]
+        inboxes = [Inbox(ctx, a, codec.TOKENIZER_INBOX) for a in addresses]
+        outbox = Outbox(ctx, addresses)
+        for i in range(6):
+            outbox.send(m.AbortRequest(f"r{i}"))
+        got = [[] for _ in inboxes]
+        for _ in range(100):                  # inproc delivers at once; this bounds a hang
+            for inbox, msgs in zip(inboxes, got):
+                msgs += inbox.recv(timeout_ms=50)
+            if sum(map(len, got)) == 6:
+                break
+        assert sorted(len(msgs) for msgs in got) == [2, 2, 2]
+        assert sorted(msg.rid for msgs in got for msg in msgs) == [f"r{i}" for i in range(6)]
+        for sock in [outbox.sock, *(inbox.sock for inbox in inboxes)]:
+            sock.close()
+    finally:
+        ctx.term()
+
+
 # ---- field checks, field by field ------------------------------------------------------------
 
 def _optional(tp) -> bool:

@@ -8,6 +8,12 @@ terminal output with status 400, the same path as any other output; an unexpecte
 while handling one request (a bug here) ends that request with a 500 and a logged
 traceback, never the process. Aborts pass through to the scheduler in order.
 
+With --tokenizer-worker-num N there are N such processes, each with its own inbox; the
+API's one PUSH socket hands them messages in turn. Order then holds per worker only: an
+abort can overtake its request through another worker (the scheduler keeps such an abort
+until its request arrives: scheduler.py, early aborts), and a batch's items can reach the
+scheduler in any order (the API puts outputs back in input order).
+
 Prompts are bounded before they are tokenized: `chars_per_token_bound` derives from the
 tokenizer's own definition the most characters one token can stand for, so a text longer
 than that times the context length is refused without tokenizing it (a 50 MB text costs a
@@ -24,7 +30,7 @@ from pathlib import Path
 import zmq
 
 from tokenizer_proc.hf_tokenizer import HFTokenizer
-from wire.addresses import Addresses
+from wire.addresses import Addresses, worker_title
 from wire.codec import TOKENIZER_INBOX, encode
 from wire.messages import (MAX_TOP_LOGPROBS, AbortRequest, FinishReason, FlushCacheRequest,
                            GenerateRequest, TextBatch, TextOutput, TokenizedRequest, replace)
@@ -330,11 +336,15 @@ def make_worker(config: ServerConfig) -> Worker:
                             load_chat_template(config.args.chat_template)))
 
 
-def main(config: ServerConfig, addrs: Addresses, conn: Connection) -> None:
+def main(config: ServerConfig, addrs: Addresses, index: int, conn: Connection) -> None:
+    """Tokenizer worker `index` of --tokenizer-worker-num: binds its own inbox; every worker
+    pushes to the same scheduler and API inboxes (PULL sockets fair-queue their peers)."""
+    name = worker_title("tokenizer", index)
+
     def body(ready) -> None:
         worker = make_worker(config)
         ctx = zmq.Context()
-        inbox = Inbox(ctx, addrs.tokenizer, TOKENIZER_INBOX)
+        inbox = Inbox(ctx, addrs.tokenizer[index], TOKENIZER_INBOX)
         outboxes = {SCHEDULER: Outbox(ctx, addrs.scheduler), API: Outbox(ctx, addrs.api)}
         ready()
         while True:
@@ -342,4 +352,4 @@ def main(config: ServerConfig, addrs: Addresses, conn: Connection) -> None:
                 routed = worker.handle(msg)
                 if routed is not None:
                     outboxes[routed[0]].send_frame(routed[1])
-    run_child("tokenizer", config.args.log_level, conn, body, ipc_dir=addrs.ipc_dir)
+    run_child(name, config.args.log_level, conn, body, ipc_dir=addrs.ipc_dir)

@@ -90,6 +90,9 @@ class ServerArgs:
     incremental_streaming_output: bool = _opt(False, "Stream only new text and ids in each "
                                               "frame instead of the cumulative output.")
     random_seed: int = _opt(0, "Seed for sampling of requests without sampling_seed.")
+    # ---- scaling (README: "Scaling") ----
+    tokenizer_worker_num: int = _opt(1, "Tokenizer processes; the API's requests are spread "
+                                     "over them round-robin.")
     # ---- limits and protection (README: "Hardening") ----
     api_key: str | None = _opt(None, "If set, every route but /health needs "
                                "'Authorization: Bearer KEY'.")
@@ -143,7 +146,8 @@ class ServerArgs:
 
     def check(self) -> None:
         for name in ("port", "max_running_requests", "chunked_prefill_size",
-                     "max_request_bytes", "read_timeout", "send_timeout", "watchdog_timeout"):
+                     "tokenizer_worker_num", "max_request_bytes", "read_timeout",
+                     "send_timeout", "watchdog_timeout"):
             if not getattr(self, name) > 0 or getattr(self, name) == float("inf"):
                 _refuse(f"--{name.replace('_', '-')} must be positive")
         for name in ("max_queued_requests", "request_timeout", "context_length"):

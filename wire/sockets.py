@@ -11,6 +11,7 @@ slow consumer applies back-pressure through memory rather than by dropping or bl
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import zmq
 import zmq.asyncio
@@ -84,11 +85,14 @@ class AsyncInbox(_PullSocket):
 
 
 class Outbox:
-    """A PUSH socket connected to another process's inbox."""
+    """A PUSH socket connected to another process's inbox, or to several workers' inboxes
+    (a sequence of addresses): ZeroMQ then hands each message to the next worker in turn
+    (round-robin over the connected peers), which is all the load balancing they get."""
 
-    def __init__(self, ctx: zmq.Context, address: str):
+    def __init__(self, ctx: zmq.Context, address: str | Sequence[str]):
         self.sock = _socket(ctx, zmq.PUSH)
-        self.sock.connect(address)
+        for a in [address] if isinstance(address, str) else address:
+            self.sock.connect(a)
 
     def send(self, msg) -> None:
         self.sock.send(encode(msg))
