@@ -100,25 +100,32 @@ def test_killed_child_takes_the_server_down(tiny_model, tmp_path, victim):
     those it started, or any other in its process group) and no ipc directory."""
     s = Server(tiny_model("llama"), tmpdir=tmp_path)
     try:
-        procs = [psutil.Process(s.proc.pid), *s.children]
         assert list(tmp_path.glob("zserve-*/"))
-        with ThreadPoolExecutor(1) as pool:
-            future = pool.submit(s.client.post, "/generate", json=LONG)
-            wait_running(s, future)
-            s.child(victim).send_signal(signal.SIGKILL)
-            deadline = time.monotonic() + 10
-            r = future.result(timeout=30)
-        assert r.status_code == 503, r.text
-        assert "died" in r.json()["error"]["message"]
-        code = s.proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
-        assert code != 0, s.logs()
-        assert gone(procs, max(deadline - time.monotonic(), 0.0)), \
-            [p for p in procs if p.is_running()]
-        assert not left_in_group(s.proc.pid)
-        assert not list(tmp_path.glob("zserve-*/"))
-        assert f"The {victim} process died" in s.logs()
+        assert_death_takes_the_server_down(s, victim, tmp_path)
     finally:
         s.kill()
+
+
+def assert_death_takes_the_server_down(s: Server, victim: str, tmp_path) -> None:
+    """SIGKILL the child titled `victim` while a request runs: the request gets a 503 naming
+    the death, and the server exits non-zero within 10 s of the kill, leaving no process
+    and no ipc directory (under tmp_path)."""
+    procs = [psutil.Process(s.proc.pid), *s.children]
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(s.client.post, "/generate", json=LONG)
+        wait_running(s, future)
+        s.child(victim).send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        r = future.result(timeout=30)
+    assert r.status_code == 503, r.text
+    assert "died" in r.json()["error"]["message"]
+    code = s.proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+    assert code != 0, s.logs()
+    assert gone(procs, max(deadline - time.monotonic(), 0.0)), \
+        [p for p in procs if p.is_running()]
+    assert not left_in_group(s.proc.pid)
+    assert not list(tmp_path.glob("zserve-*/"))
+    assert f"The {victim} process died" in s.logs()
 
 
 def wait_running(s: Server, future) -> None:

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from tests.server import Server, serving, wait_idle, wait_until
-from tests.test_lifecycle import LONG, gone, left_in_group, wait_running
+from tests.test_lifecycle import LONG, assert_death_takes_the_server_down, wait_running
 
 pytestmark = pytest.mark.e2e
 
@@ -271,21 +271,6 @@ def test_a_killed_tokenizer_worker_takes_the_server_down(tiny_model, tmp_path):
     process and no ipc directory."""
     s = Server(tiny_model("llama"), "--tokenizer-worker-num", "2", tmpdir=tmp_path)
     try:
-        procs = [psutil.Process(s.proc.pid), *s.children]
-        with ThreadPoolExecutor(1) as pool:
-            future = pool.submit(s.client.post, "/generate", json=LONG)
-            wait_running(s, future)
-            s.child("tokenizer-1").send_signal(signal.SIGKILL)
-            deadline = time.monotonic() + 10
-            r = future.result(timeout=30)
-        assert r.status_code == 503, r.text
-        assert "died" in r.json()["error"]["message"]
-        code = s.proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
-        assert code != 0, s.logs()
-        assert gone(procs, max(deadline - time.monotonic(), 0.0)), \
-            [p for p in procs if p.is_running()]
-        assert not left_in_group(s.proc.pid)
-        assert not list(tmp_path.glob("zserve-*/"))
-        assert "The tokenizer-1 process died" in s.logs()
+        assert_death_takes_the_server_down(s, "tokenizer-1", tmp_path)
     finally:
         s.kill()
