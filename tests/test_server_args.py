@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pickle
+import multiprocessing
 import shutil
 
 import pytest
@@ -151,9 +151,20 @@ def test_dtype_auto_is_float32_on_cpu_and_bfloat16_on_cuda(resolved):
     assert concrete_dtype("float16", "cuda") == "float16"
 
 
-def test_record_survives_spawn_pickling(resolved):
-    """multiprocessing "spawn" pickles each child's arguments."""
-    assert pickle.loads(pickle.dumps(resolved)) == resolved
+def _report_info(config: ServerConfig, conn) -> None:
+    conn.send_bytes(json.dumps(config.info()).encode())
+
+
+def test_record_reaches_a_spawned_child_whole(resolved):
+    """Children get the record as the launcher hands it over: a "spawn" process argument."""
+    ctx = multiprocessing.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_report_info, args=(resolved, send))
+    child.start()
+    send.close()
+    assert json.loads(recv.recv_bytes()) == json.loads(json.dumps(resolved.info()))
+    child.join(30)
+    assert child.exitcode == 0
 
 
 def test_info_has_every_flag_and_the_model_facts(resolved):
