@@ -27,8 +27,8 @@ import zmq.asyncio
 from api_proc.timing import RequestTiming
 from wire.addresses import Addresses
 from wire.messages import (AbortRequest, ControlReply, FinishReason, FlushCacheRequest,
-                           GenerateRequest, LogprobRequest, Logprobs, SchedulerLoad, TextBatch,
-                           TextOutput, replace)
+                           GenerateRequest, LogprobRequest, Logprobs, SchedulerLoad, TextOutput,
+                           replace)
 from wire.codec import API_INBOX, encode
 from wire.sockets import AsyncInbox, Outbox
 
@@ -325,10 +325,7 @@ class Dispatcher:
                 if fut is not None and not fut.done():
                     fut.set_result(batch)
                 continue
-            if not isinstance(batch, TextBatch):
-                log.error("unexpected message %s", type(batch).__name__)
-                continue
-            now = time.monotonic()
+            now = time.monotonic()                # a TextBatch: API_INBOX decodes nothing else
             if batch.load is not None:
                 self._update_load(batch.load)
             for out in batch.outputs:

@@ -211,12 +211,7 @@ def main(config: ServerConfig, addrs: Addresses, conn: Connection) -> None:
         to_scheduler = Outbox(ctx, addrs.scheduler)
         ready()
         while True:
-            for batch in inbox.recv(timeout_ms=None):
-                if not isinstance(batch, TokenBatch):
-                    detok.dropped += 1
-                    log.error("dropped an unexpected %s (%d dropped so far)",
-                              type(batch).__name__, detok.dropped)
-                    continue
+            for batch in inbox.recv(timeout_ms=None):    # TokenBatches only (its decoder)
                 text, release = detok.process(batch)
                 to_api.send(text)       # even when empty: it carries the scheduler's load
                 if release:
