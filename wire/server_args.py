@@ -93,6 +93,23 @@ class ServerArgs:
     # ---- scaling (README: "Scaling") ----
     tokenizer_worker_num: int = _opt(1, "Tokenizer processes; the API's requests are spread "
                                      "over them round-robin.")
+    api_server_count: int = _opt(1, "HTTP (API) processes sharing the one port "
+                                 "(SO_REUSEPORT); each owns the requests it received.")
+    dp_size: int = _opt(1, "Data-parallel scheduler replicas, each with all the weights and "
+                        "its own KV pool, behind a controller process.")
+    load_balance_method: str = _opt("round_robin", "How the controller picks a replica for "
+                                    "a request (--dp-size > 1): in turn, or the one with the "
+                                    "fewest queued + running tokens.",
+                                    choices=["round_robin", "shortest_queue"])
+    tp_size: int = _opt(1, "Tensor-parallel ranks per replica: each holds 1/T of the "
+                        "attention heads, MLP columns and vocabulary (torch.distributed: "
+                        "gloo on CPU, NCCL on CUDA).")
+    nnodes: int = _opt(1, "Machines one model's tensor-parallel ranks span.")
+    node_rank: int = _opt(0, "This machine's index among --nnodes (0 runs the HTTP API).")
+    dist_init_addr: str | None = _opt(None, "HOST:PORT of node 0 for --nnodes > 1: the "
+                                      "rendezvous of the ranks (PORT) and the node link "
+                                      "(PORT + 1).")
+    dist_timeout: float = _opt(600.0, "Seconds to wait at startup for the other nodes.")
     # ---- limits and protection (README: "Hardening") ----
     api_key: str | None = _opt(None, "If set, every route but /health needs "
                                "'Authorization: Bearer KEY'.")
@@ -146,7 +163,8 @@ class ServerArgs:
 
     def check(self) -> None:
         for name in ("port", "max_running_requests", "chunked_prefill_size",
-                     "tokenizer_worker_num", "max_request_bytes", "read_timeout",
+                     "tokenizer_worker_num", "api_server_count", "dp_size", "tp_size",
+                     "nnodes", "dist_timeout", "max_request_bytes", "read_timeout",
                      "send_timeout", "watchdog_timeout"):
             if not getattr(self, name) > 0 or getattr(self, name) == float("inf"):
                 _refuse(f"--{name.replace('_', '-')} must be positive")
@@ -159,6 +177,27 @@ class ServerArgs:
             _refuse("--max-total-tokens must be positive")
         if not 0 < self.mem_fraction_static <= 1:
             _refuse("--mem-fraction-static must be in (0, 1]")
+        if not 0 <= self.node_rank < self.nnodes:
+            _refuse(f"--node-rank must be in [0, --nnodes), got {self.node_rank}")
+        if self.nnodes > 1:
+            if self.dist_init_addr is None:
+                _refuse("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
+            split_host_port(self.dist_init_addr)
+            if self.tp_size % self.nnodes:
+                _refuse(f"--tp-size ({self.tp_size}) must be a multiple of --nnodes "
+                        f"({self.nnodes}): each node runs the same number of ranks")
+            if self.dp_size != 1:
+                _refuse("--nnodes > 1 spans one model's tensor-parallel ranks: use "
+                        "--dp-size 1 (or run a server per node behind a router)")
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    """--dist-init-addr "HOST:PORT" ("[::1]:PORT" for IPv6) -> (host, port)."""
+    host, sep, port = addr.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65535:
+        _refuse(f"--dist-init-addr must be HOST:PORT (PORT < 65535), got {addr!r}")
+    return host, int(port)
 
 
 AUTO_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}     # what --dtype auto means per device
