@@ -48,9 +48,7 @@ class Server:
             cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
             start_new_session=True)     # its own process group, as under a shell's job control
         self.client = httpx.Client(base_url=self.url, timeout=120.0)
-        _t0 = time.monotonic()
         self._wait_healthy()
-        with open('/tmp/starts.log','a') as f: f.write(f"{time.monotonic()-_t0:.2f} {os.environ.get('PYTEST_CURRENT_TEST')} {extra}\n")
         self.children = psutil.Process(self.proc.pid).children(recursive=True)
 
     def _wait_healthy(self) -> None:
