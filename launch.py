@@ -19,7 +19,6 @@ and the exit code is 0.
 
 from __future__ import annotations
 
-import errno
 import importlib.util
 import logging
 import multiprocessing as mp
@@ -29,13 +28,15 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.connection import wait
 from pathlib import Path
 
 import setproctitle
 
+from api_proc.listener import bind_listener
 from wire.addresses import Addresses, worker_title
-from wire.messages import SchedulerLoad
+from wire.messages import ApiControl
 from wire.model_path import (SIDECAR_FILE, StartupError, describe_source, gguf_sidecar_dir,
                              model_facts, resolve_model_path)
 from wire.proc import read_ready
@@ -43,6 +44,7 @@ from wire.server_args import ServerArgs, ServerConfig, concrete_dtype
 
 log = logging.getLogger("zserve")
 CHILD_STOP_TIMEOUT = 5.0
+SHUTDOWN_GRACE = 5.0           # api_proc/server.py's: seconds for the last answers to go
 DEATH_SHUTDOWN_TIMEOUT = 5.0   # after a child died: seconds to answer clients, then hard exit
 
 
@@ -125,51 +127,71 @@ def _cuda_visible() -> bool:
     return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidiactl")
 
 
-def bind_listener(host: str, port: int) -> socket.socket:
-    """The HTTP socket, bound before any child starts, so a busy port is found at once."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        reason = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound " \
-            f"({e.strerror})"
-        raise StartupError(f"--host {host} --port {port}: the address {reason}") from None
-    sock.set_inheritable(False)
-    return sock
-
-
 class Children:
-    """The pipeline's processes, started and stopped together: --tokenizer-worker-num
-    tokenizers ("tokenizer", "tokenizer-1", ...), the scheduler and the detokenizer, each
-    under its own name. Any one of them dying takes the server down."""
+    """The server's child processes, started and stopped together, each under its own name:
+    the pipeline (--tokenizer-worker-num tokenizers "tokenizer", "tokenizer-1", ...; with
+    --dp-size > 1 the "dp-controller"; --dp-size schedulers "scheduler", "scheduler-1", ...;
+    the "detokenizer"), then, once it is ready, the API processes beyond the launcher's own
+    ("api-1", ...). Any one of them dying unasked takes the server down."""
 
     def __init__(self, config: ServerConfig, addrs: Addresses):
         import detokenizer_proc.process
+        import dp_controller_proc.process
         import scheduler_proc.process
         import tokenizer_proc.process
-        ctx = mp.get_context("spawn")
+        self.config, self.addrs = config, addrs
         self.procs: dict[str, mp.Process] = {}
         self.ready_pipes = {}
         specs = [(worker_title("tokenizer", i), tokenizer_proc.process.main, (i,))
                  for i in range(len(addrs.tokenizer))]
-        specs += [("scheduler", scheduler_proc.process.main, ()),
-                  ("detokenizer", detokenizer_proc.process.main, ())]
+        if addrs.data_parallel:
+            specs.append(("dp-controller", dp_controller_proc.process.main, ()))
+        specs += [(worker_title("scheduler", r), scheduler_proc.process.main, (r,))
+                  for r in range(len(addrs.replicas))]
+        specs.append(("detokenizer", detokenizer_proc.process.main, ()))
+        self.start(specs)
+        self.stopping = False
+        self.api_link: ApiLink | None = None
+
+    def start(self, specs) -> None:
+        ctx = mp.get_context("spawn")
         for name, target, extra in specs:
             recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=target, args=(config, addrs, *extra, send), name=name)
+            proc = ctx.Process(target=target, args=(self.config, self.addrs, *extra, send),
+                               name=name)
             proc.start()
             send.close()
             self.procs[name] = proc
             self.ready_pipes[name] = recv
-        self.stopping = False
+
+    def start_apis(self, scheduler_info: dict, pools: list[int]) -> None:
+        """API processes 1.. (api_proc/worker.py); wait_ready again to wait for them."""
+        import api_proc.worker
+        names = [worker_title("api", k) for k in range(1, len(self.addrs.api))]
+        self.start([(name, api_proc.worker.main, (k, scheduler_info, pools))
+                    for k, name in enumerate(names, 1)])
+        if names:
+            self.api_link = ApiLink(self.addrs)
+
+    @property
+    def apis(self) -> list[mp.Process]:
+        return [p for n, p in self.procs.items() if n.startswith("api-")]
+
+    def drain_apis(self) -> None:
+        """Graceful shutdown of API processes 1..: they exit 0 on their own (not a death)."""
+        if self.api_link is not None:
+            self.stopping = True
+            self.api_link.tell(ApiControl("drain"))
+
+    def join_apis(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for p in self.apis:
+            p.join(max(deadline - time.monotonic(), 0.0))
 
     def wait_ready(self) -> dict[str, dict]:
         """Block until every child reports ready; raise if one fails or dies first."""
         infos: dict[str, dict] = {}
-        pending = dict(self.ready_pipes)
+        pending, self.ready_pipes = self.ready_pipes, {}    # each child reports once
         sentinels = {p.sentinel: n for n, p in self.procs.items()}
         while pending:
             for obj in wait([*pending.values(), *sentinels]):
@@ -207,11 +229,38 @@ class Children:
     def stop(self) -> None:
         """Children ignore SIGTERM (see wire/proc.py) and keep no state: kill them."""
         self.stopping = True
+        if self.api_link is not None:
+            self.api_link.close()
         for p in self.procs.values():
             if p.is_alive():
                 p.kill()
         for p in self.procs.values():
             p.join(CHILD_STOP_TIMEOUT)
+
+
+class ApiLink:
+    """The launcher's PUSH sockets to API processes 1.. (their inboxes), for ApiControl.
+    Used from the supervisor thread and the event loop: sends are serialized by a lock."""
+
+    def __init__(self, addrs: Addresses):
+        import zmq
+
+        from wire.sockets import Outbox
+        self.ctx = zmq.Context()
+        self.outboxes = [Outbox(self.ctx, a) for a in addrs.api[1:]]
+        self.lock = threading.Lock()
+
+    def tell(self, msg) -> None:
+        with self.lock:
+            for outbox in self.outboxes:
+                outbox.send(msg)
+
+    def close(self) -> None:
+        with self.lock:
+            for outbox in self.outboxes:
+                outbox.sock.close(linger=100)       # ms: let a last "drain" or "lost" go
+            self.outboxes = []
+            self.ctx.term()
 
 
 def describe_exit(code: int | None) -> str:
@@ -236,7 +285,8 @@ def _on_signal(signum, _frame) -> None:
 
 def serve(config: ServerConfig, listener: socket.socket) -> int:
     args = config.args
-    addrs = Addresses.create(tokenizer_workers=args.tokenizer_worker_num)
+    addrs = Addresses.create(tokenizer_workers=args.tokenizer_worker_num,
+                             api_servers=args.api_server_count, dp_size=args.dp_size)
     children = None
     try:
         # The children first: the scheduler's model load is the long pole of startup. The
@@ -249,12 +299,16 @@ def serve(config: ServerConfig, listener: socket.socket) -> int:
         dispatcher = Dispatcher(addrs, Admission(args.max_queued_requests,
                                                  args.request_timeout))
         infos = children.wait_ready()
-        pool = infos["scheduler"]["max_total_tokens"]
-        dispatcher.load = SchedulerLoad(kv_total=pool, kv_free=pool)
-        app = build_app(config, dispatcher, infos.get("scheduler", {}))
+        pools = [infos[worker_title("scheduler", r)]["max_total_tokens"]
+                 for r in range(len(addrs.replicas))]
+        dispatcher.expect_replicas(pools)
+        children.start_apis(infos["scheduler"], pools)
+        children.wait_ready()
+        app = build_app(config, dispatcher, infos["scheduler"])
         server = make_server(app, args.host, args.port, args.log_level, args.read_timeout,
                              args.shutdown_timeout,
                              lambda: dispatcher.end_all("The server is shutting down."))
+        server.on_shutdown = children.drain_apis
         exit_code = 0
 
         def on_death(name: str, how: str) -> None:
@@ -263,6 +317,8 @@ def serve(config: ServerConfig, listener: socket.socket) -> int:
             message = f"The {name} process died ({how}); shutting down."
             log.error(message)
             dispatcher.lose_threadsafe(message)
+            if children.api_link is not None:
+                children.api_link.tell(ApiControl("lost", message))
             server.shutdown_timeout = 0.0
             server.should_exit = True
             # If uvicorn cannot wind down (a stuck handler), do not hang: hard exit.
@@ -271,11 +327,14 @@ def serve(config: ServerConfig, listener: socket.socket) -> int:
 
         children.supervise(on_death)
         log.log(logging.WARNING if config.model.random_weights else logging.INFO,
-                banner(config, infos.get("scheduler", {})))
+                banner(config, infos["scheduler"]))
         try:
             server.run(sockets=[listener])
         except Shutdown:
             pass
+        children.drain_apis()        # if uvicorn ended without a graceful shutdown
+        children.join_apis(DEATH_SHUTDOWN_TIMEOUT if exit_code else
+                           args.shutdown_timeout + SHUTDOWN_GRACE + CHILD_STOP_TIMEOUT)
         return exit_code if exit_code else (0 if server.started else 1)
     except Shutdown as e:
         log.info("%s during startup: shutting down", e)
@@ -324,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     try:
         config = resolve_args(args)
-        listener = bind_listener(args.host, args.port)
+        listener = bind_listener(args.host, args.port, reuse_port=args.api_server_count > 1)
     except StartupError as e:
         sys.stderr.write(f"zserve: {e}\n")
         return 2

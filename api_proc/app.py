@@ -26,7 +26,7 @@ from api_proc.guard import Guard, parse_origins
 from api_proc.native import GenerateHandler
 from api_proc.openai_api import OpenAIHandler
 from api_proc.state import Dispatcher
-from wire.messages import GenerateRequest
+from wire.messages import GenerateRequest, SchedulerLoad
 from wire.sampling import SamplingParams
 from wire.server_args import ServerConfig
 
@@ -56,14 +56,36 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
         load = dispatcher.load
         return JSONResponse({
             **public_args, **scheduler_info, "version": VERSION,
-            "requests_in_flight": len(dispatcher.states),
+            "requests_in_flight": len(dispatcher.states),     # in this API process
+            "api_requests_total": dispatcher.submitted,         # taken in by this one
             "running_requests": load.running, "queued_requests": load.queued,
             "kv_pool": {"total": load.kv_total, "free": load.kv_free,
                         "evictable": load.kv_evictable},
             "prompt_tokens_total": load.prompt_tokens_total,
             "generated_tokens_total": load.generated_tokens_total,
             "retracted_total": load.retracted_total,
-            "rejected_total": load.rejected_total})
+            "rejected_total": load.rejected_total,
+            "requests_total": load.requests_total,
+            "api_server": dispatcher.index,
+            "replicas": [replica_info(x) for _, x in sorted(dispatcher.loads.items())]})
+
+    def replica_info(x: SchedulerLoad) -> dict:
+        """One scheduler replica (--dp-size) as /server_info lists it."""
+        return {"dp_rank": x.replica, "running_requests": x.running,
+                "queued_requests": x.queued,
+                "kv_pool": {"total": x.kv_total, "free": x.kv_free,
+                            "evictable": x.kv_evictable},
+                "requests_total": x.requests_total,
+                "prompt_tokens_total": x.prompt_tokens_total,
+                "generated_tokens_total": x.generated_tokens_total}
+
+    async def get_load(_: Request) -> Response:
+        """SGLang's load report, one entry per scheduler replica: what sglang-router's
+        load-aware policies (power_of_two) read. num_tokens: KV slots held by requests."""
+        return JSONResponse([
+            {"dp_rank": r, "num_reqs": x.running + x.queued, "num_waiting_reqs": x.queued,
+             "num_tokens": x.kv_total - x.kv_free - x.kv_evictable}
+            for r, x in sorted(dispatcher.loads.items())])
 
     async def abort_request(request: Request) -> Response:
         """By rid prefix, as SGLang; without admin rights (keys set, not the admin key) only
@@ -81,11 +103,9 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
                 raise BadRequest("abort_all needs the admin API key.", 403)
         except BadRequest as e:
             return error_response(str(e), e.status)
-        if request.state.admin:
-            n = dispatcher.abort_prefix("" if abort_all else rid)
-        else:
-            n = int(rid in dispatcher.rids)
-            dispatcher.abort(rid)
+        # A client's requests may be in any API process (--api-server-count): all look.
+        n = await dispatcher.abort_everywhere("" if abort_all else rid,
+                                              prefix=request.state.admin)
         return JSONResponse({"aborted": n})
 
     async def flush_cache(request: Request) -> Response:
@@ -146,6 +166,7 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
         Route("/get_model_info", model_info, methods=["GET"]),
         Route("/server_info", server_info, methods=["GET"]),
         Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/get_load", get_load, methods=["GET"]),
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/flush_cache", flush_cache, methods=["POST"]),
         *OpenAIHandler(config, dispatcher).routes(),

@@ -75,8 +75,11 @@ class Server(uvicorn.Server):
         super().__init__(config)
         self.shutdown_timeout = shutdown_timeout
         self.on_deadline = on_deadline
+        self.on_shutdown: Callable[[], None] | None = None   # called as shutdown begins
 
     async def shutdown(self, sockets=None) -> None:
+        if self.on_shutdown is not None:
+            self.on_shutdown()
         deadline = asyncio.get_running_loop().call_later(self.shutdown_timeout,
                                                          self.on_deadline)
         try:

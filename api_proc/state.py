@@ -20,19 +20,22 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq.asyncio
 
 from api_proc.timing import RequestTiming
 from wire.addresses import Addresses
-from wire.messages import (AbortRequest, ControlReply, FinishReason, FlushCacheRequest,
+from wire.messages import (AbortRequest, ApiControl, ControlReply, FinishReason,
+                           FlushCacheRequest, PeerAbort, PeerAbortReply,
                            GenerateRequest, LogprobRequest, Logprobs, SchedulerLoad, TextOutput,
                            replace)
 from wire.codec import API_INBOX, encode
 from wire.sockets import AsyncInbox, Outbox
 
 log = logging.getLogger(__name__)
+PEER_ABORT_TIMEOUT = 5.0    # seconds for the other API processes to answer an abort
 
 
 class SubmitError(ValueError):
@@ -182,22 +185,37 @@ class Admission:
 
 
 class Dispatcher:
-    """Owns the rid -> RequestState dict and the API end of the pipeline."""
+    """Owns the rid -> RequestState dict and the API end of the pipeline. `index`: which
+    API process this is (--api-server-count); it binds that process's inbox, and every
+    request it sends names it, so the request's outputs come back here."""
 
-    def __init__(self, addrs: Addresses, admission: Admission = Admission()):
+    def __init__(self, addrs: Addresses, admission: Admission = Admission(), index: int = 0):
         ctx = self.ctx = zmq.asyncio.Context()
-        self.inbox = AsyncInbox(ctx, addrs.api, API_INBOX)
+        self.index = index
+        # Internal ids are unique across API processes: process 0's are bare hex numbers,
+        # process k's are "k.<hex>".
+        self.id_prefix = "" if index == 0 else f"{index}."
+        self.inbox = AsyncInbox(ctx, addrs.api[index], API_INBOX)
         # A plain (non-awaiting) send on an asyncio socket: sends never block (no HWM), and
         # aborts must be sendable from cancellation paths that cannot await. One PUSH
         # connected to every tokenizer worker: ZeroMQ hands them messages round-robin.
         self.to_tokenizer = Outbox(ctx, addrs.tokenizer)
+        # The other API processes (--api-server-count), for aborts by a rid they own.
+        self.peers = {k: Outbox(ctx, a) for k, a in enumerate(addrs.api) if k != index}
+        self.peer_aborts: dict[str, tuple[asyncio.Future[int], list[int]]] = {}
+        # API processes k > 0: on_stop(kind) when the launcher sends ApiControl "lost"
+        # (after every request here has failed) or "drain".
+        self.on_stop: Callable[[str], None] | None = None
         self.admission = admission
         self.states: dict[str, RequestState] = {}     # internal id -> state
         self.rids: dict[str, str] = {}                # user rid -> internal id
         self.ids = itertools.count()
+        self.submitted = 0                            # requests taken in by this process
         self.lost: str | None = None      # set when the pipeline is gone; then all fail fast
         self.loop: asyncio.AbstractEventLoop | None = None   # set once run() starts
-        self.load = SchedulerLoad()                          # the newest the scheduler sent
+        # The newest load of each scheduler replica (seq grows per replica), and their sum.
+        self.loads: dict[int, SchedulerLoad] = {0: SchedulerLoad()}
+        self.load = SchedulerLoad()
         self.controls: dict[str, asyncio.Future[ControlReply]] = {}
 
     def close(self) -> None:
@@ -205,6 +223,8 @@ class Dispatcher:
         terminates there, and blocks forever while a socket is open)."""
         self.inbox.sock.close(linger=0)
         self.to_tokenizer.sock.close(linger=0)
+        for peer in self.peers.values():
+            peer.sock.close(linger=0)
         self.ctx.term()
 
     @property
@@ -226,7 +246,8 @@ class Dispatcher:
         if limit is not None and self.waiting >= limit:
             raise QueueFull(f"The server is busy: {self.waiting} requests are already "
                             f"waiting (--max-queued-requests {limit}). Try again later.")
-        sent = [replace(r, rid=f"{next(self.ids):x}") for r in reqs]
+        sent = [replace(r, rid=f"{self.id_prefix}{next(self.ids):x}", api=self.index)
+                for r in reqs]
         try:
             frames = [encode(r) for r in sent]
         except (OverflowError, UnicodeEncodeError, ValueError, TypeError) as e:
@@ -244,6 +265,7 @@ class Dispatcher:
             self.to_tokenizer.send_frame(frame)
             log.debug("request %r runs as %s", req.rid, wire.rid)   # to match child logs
             states.append(state)
+        self.submitted += len(states)
         return states
 
     def _forget(self, state: RequestState) -> None:
@@ -280,6 +302,58 @@ class Dispatcher:
             self.abort(rid)
         return len(rids)
 
+    def abort_here(self, rid: str, prefix: bool,
+                   message: str = "Aborted by the client.") -> int:
+        """Abort this process's requests whose user rid is `rid` (or starts with it)."""
+        if prefix:
+            return self.abort_prefix(rid)
+        found = rid in self.rids
+        self.abort(rid, message)
+        return int(found)
+
+    async def abort_everywhere(self, rid: str, prefix: bool,
+                               timeout: float = PEER_ABORT_TIMEOUT) -> int:
+        """abort_here in every API process (a client's requests may have reached any of
+        them); the number aborted in all. A peer that does not answer in `timeout` seconds
+        counts 0 (it is going down: the launcher takes the server down with it)."""
+        n = self.abort_here(rid, prefix)
+        if not self.peers or self.lost:
+            return n
+        req_id = uuid.uuid4().hex
+        fut = asyncio.get_running_loop().create_future()
+        self.peer_aborts[req_id] = (fut, [len(self.peers), n])
+        try:
+            for peer in self.peers.values():
+                peer.send(PeerAbort(req_id, self.index, rid, prefix, "Aborted by the client."))
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            return self.peer_aborts[req_id][1][1]
+        finally:
+            self.peer_aborts.pop(req_id, None)
+
+    def _peer_abort(self, msg: PeerAbort) -> None:
+        if msg.from_api in self.peers:
+            n = self.abort_here(msg.rid, msg.prefix, msg.message)
+            self.peers[msg.from_api].send(PeerAbortReply(msg.req_id, n))
+
+    def _peer_abort_reply(self, msg: PeerAbortReply) -> None:
+        pending = self.peer_aborts.get(msg.req_id)
+        if pending is None:
+            return                                  # late (timed out) or forged
+        fut, left_and_count = pending
+        left_and_count[0] -= 1
+        left_and_count[1] += max(msg.count, 0)
+        if left_and_count[0] == 0 and not fut.done():
+            fut.set_result(left_and_count[1])
+
+    def _control(self, msg: ApiControl) -> None:
+        if msg.kind not in ("lost", "drain"):
+            return
+        if msg.kind == "lost":
+            self.fail_all(msg.message)
+        if self.on_stop is not None:
+            self.on_stop(msg.kind)
+
     def abort_unfinished(self, states: list[RequestState]) -> None:
         for s in states:
             if self.states.get(s.rid) is s and not self.lost:
@@ -299,14 +373,23 @@ class Dispatcher:
         req_id = uuid.uuid4().hex
         fut = self.controls[req_id] = asyncio.get_running_loop().create_future()
         try:
-            self.to_tokenizer.send(FlushCacheRequest(req_id))
+            self.to_tokenizer.send(FlushCacheRequest(req_id, api=self.index))
             return await asyncio.wait_for(fut, timeout)
         finally:
             self.controls.pop(req_id, None)
 
+    def expect_replicas(self, pools: list[int]) -> None:
+        """Before the first output: replica r's KV pool holds pools[r] tokens, all free."""
+        self.loads = {r: SchedulerLoad(replica=r, kv_total=n, kv_free=n)
+                      for r, n in enumerate(pools)}
+        self.load = total_load(list(self.loads.values()))
+
     def _update_load(self, load: SchedulerLoad) -> None:
-        if load.seq >= self.load.seq:      # control replies and batches race: newest wins
-            self.load = load
+        old = self.loads.get(load.replica)
+        if old is None or load.seq < old.seq:   # control replies and batches race: newest
+            return                              # wins; an unknown replica is forged
+        self.loads[load.replica] = load
+        self.load = load if len(self.loads) == 1 else total_load(list(self.loads.values()))
 
     def lose_threadsafe(self, message: str) -> None:
         """Called from the supervisor thread when a child dies."""
@@ -319,8 +402,18 @@ class Dispatcher:
         self.loop = asyncio.get_running_loop()
         while True:
             batch = await self.inbox.recv_one()
+            if isinstance(batch, PeerAbort):
+                self._peer_abort(batch)
+                continue
+            if isinstance(batch, PeerAbortReply):
+                self._peer_abort_reply(batch)
+                continue
+            if isinstance(batch, ApiControl):
+                self._control(batch)
+                continue
             if isinstance(batch, ControlReply):
-                self._update_load(batch.load)
+                for load in batch.loads:
+                    self._update_load(load)
                 fut = self.controls.get(batch.req_id)
                 if fut is not None and not fut.done():
                     fut.set_result(batch)
@@ -337,3 +430,10 @@ class Dispatcher:
                 if terminal:
                     self._forget(state)
                 state.push(out)
+
+
+def total_load(loads: list[SchedulerLoad]) -> SchedulerLoad:
+    """The whole server's load: every count summed over the replicas (seq and replica are
+    per replica, and meaningless in a sum: 0)."""
+    fields = [f for f in SchedulerLoad.__struct_fields__ if f not in ("seq", "replica")]
+    return SchedulerLoad(**{f: sum(getattr(x, f) for x in loads) for f in fields})

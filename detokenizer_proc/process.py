@@ -10,6 +10,10 @@ inside the vocabulary, logprob lists of matching lengths, decode params within t
 limits. An output that fails (or whose decoding fails) ends its own request the same way a
 stop string does, with a status-500 abort instead of a stop, and the rest of the batch goes
 on; an output for an unknown rid without decode params is dropped. Both are counted.
+
+Routing (--api-server-count N): a rid's outputs go to the API process named in its
+DecodeParams (`api`); every API process gets every batch's load, with or without outputs
+of its own, so each one knows the whole server's state.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class OutputError(ValueError):
 @dataclass(slots=True)
 class RidState:
     stream: DecodeStream | None     # None once released: nothing more is decoded
+    api: int = 0                    # the API process that owns the rid
     completion_tokens: int = 0
     released: bool = False      # finished here (stop string, error); awaiting the scheduler's end
 
@@ -53,8 +58,9 @@ class Detokenizer:
     """`process(batch)` never raises. Counters: `dropped` (outputs for unknown rids without
     decode params), `failed` (outputs that ended their request with an error here)."""
 
-    def __init__(self, tokenizer, model_vocab_size: int | None = None):
+    def __init__(self, tokenizer, model_vocab_size: int | None = None, api_servers: int = 1):
         self.tokenizer = tokenizer
+        self.api_servers = api_servers
         # Ids the model may emit: the tokenizer's, added tokens included, and the rows of a
         # model whose embedding is padded past them (those decode to "").
         self.vocab_size = max(len(tokenizer), model_vocab_size or 0)
@@ -62,18 +68,29 @@ class Detokenizer:
         self.dropped = 0
         self.failed = 0
 
-    def process(self, batch: TokenBatch) -> tuple[TextBatch, list[str]]:
-        """Returns the text outputs and the rids to release in the scheduler."""
-        outs: list[TextOutput] = []
+    def process(self, batch: TokenBatch) -> tuple[list[TextBatch], list[str]]:
+        """Returns one TextBatch per API process (the outputs of the rids it owns, and the
+        load) and the rids to release in the scheduler."""
+        outs: list[list[TextOutput]] = [[] for _ in range(self.api_servers)]
         release: list[str] = []
         for o in batch.outputs:
+            api = self._owner(o)
             try:
                 out = self._output(o, release)
             except Exception as e:
                 out = self._fail(o, e, release)
             if out is not None:
-                outs.append(out)
-        return TextBatch(outs, batch.load), release
+                outs[api].append(out)
+        return [TextBatch(o, batch.load) for o in outs], release
+
+    def _owner(self, o: TokenOutput) -> int:
+        """The API process o goes to: the rid's, else its decode params' (checked again by
+        _check_decode), else 0 (an output for an unknown rid: that API drops it)."""
+        st = self.states.get(o.rid)
+        if st is not None:
+            return st.api
+        api = o.decode.api if o.decode is not None else 0
+        return api if 0 <= api < self.api_servers else 0
 
     def _output(self, o: TokenOutput, release: list[str]) -> TextOutput | None:
         st = self.states.get(o.rid)
@@ -88,7 +105,7 @@ class Detokenizer:
             st = RidState(DecodeStream(
                 self.tokenizer, skip_special_tokens=d.skip_special_tokens,
                 spaces_between_special_tokens=d.spaces_between_special_tokens,
-                stop=d.stop, no_stop_trim=d.no_stop_trim))
+                stop=d.stop, no_stop_trim=d.no_stop_trim), api=d.api)
             self.states[o.rid] = st
         if st.released:
             if o.finish is not None:
@@ -161,12 +178,14 @@ class Detokenizer:
         if o.queue_time is not None and not math.isfinite(o.queue_time):
             raise OutputError(f"queue_time is {o.queue_time}")
 
-    @staticmethod
-    def _check_decode(d: DecodeParams) -> None:
+    def _check_decode(self, d: DecodeParams) -> None:
         # The API's limits: DecodeStream keeps every prefix of every stop string.
         if len(d.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in d.stop):
             raise OutputError(f"decode params with {len(d.stop)} stop strings (at most "
                               f"{MAX_STOP_STRINGS} of at most {MAX_STOP_LENGTH} characters)")
+        if not 0 <= d.api < self.api_servers:
+            raise OutputError(f"decode params name API process {d.api} of "
+                              f"{self.api_servers}")
 
     def _step(self, st: RidState, o: TokenOutput) -> TextOutput:
         delta = st.stream.push(o.new_ids, finished=o.finish is not None)
@@ -199,7 +218,8 @@ class Detokenizer:
 def make_detokenizer(config: ServerConfig) -> Detokenizer:
     """The detokenizer as the process builds it, from the resolved record (the model's
     vocabulary size included: config.json is not read again here)."""
-    return Detokenizer(HFTokenizer.from_dir(config.tokenizer_path), config.vocab_size)
+    return Detokenizer(HFTokenizer.from_dir(config.tokenizer_path), config.vocab_size,
+                       config.args.api_server_count)
 
 
 def main(config: ServerConfig, addrs: Addresses, conn: Connection) -> None:
@@ -207,13 +227,14 @@ def main(config: ServerConfig, addrs: Addresses, conn: Connection) -> None:
         detok = make_detokenizer(config)
         ctx = zmq.Context()
         inbox = Inbox(ctx, addrs.detokenizer, DETOKENIZER_INBOX)
-        to_api = Outbox(ctx, addrs.api)
+        to_api = [Outbox(ctx, a) for a in addrs.api]
         to_scheduler = Outbox(ctx, addrs.scheduler)
         ready()
         while True:
             for batch in inbox.recv(timeout_ms=None):    # TokenBatches only (its decoder)
-                text, release = detok.process(batch)
-                to_api.send(text)       # even when empty: it carries the scheduler's load
+                texts, release = detok.process(batch)
+                for outbox, text in zip(to_api, texts):
+                    outbox.send(text)   # even when empty: it carries the scheduler's load
                 if release:
                     to_scheduler.send(ReleaseRequest(release))
     run_child("detokenizer", config.args.log_level, conn, body, ipc_dir=addrs.ipc_dir)

@@ -8,6 +8,10 @@ faulthandler's C thread, so a stuck step holding the GIL cannot stop it. It is c
 before the loop blocks idle (no timer thread, no CPU use), and re-armed at most every
 REARM_INTERVAL seconds while busy (arming starts a thread, ~30 us): it fires between S and
 S + REARM_INTERVAL seconds after the last step began.
+
+Data parallelism (--dp-size > 1): replica r binds its own address (Addresses.replicas[r]);
+its control replies go to the DP controller, which also gets a ReplicaStatus (the load and
+how many requests it has received) with every TokenBatch the replica sends.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from multiprocessing.connection import Connection
 
 import zmq
 
-from wire.addresses import Addresses
+from wire.addresses import Addresses, worker_title
 from wire.codec import SCHEDULER_INBOX
+from wire.messages import ControlReply, ReplicaStatus, TokenBatch
 from wire.proc import run_child
 from wire.server_args import ServerConfig
 from wire.sockets import Inbox, Outbox
@@ -61,7 +66,7 @@ def serve(scheduler, inbox: Inbox, watchdog: Watchdog) -> None:
         scheduler.step(msgs)
 
 
-def main(config: ServerConfig, addrs: Addresses, conn: Connection) -> None:
+def main(config: ServerConfig, addrs: Addresses, replica: int, conn: Connection) -> None:
     args = config.args
 
     def body(ready) -> None:
@@ -74,11 +79,25 @@ def main(config: ServerConfig, addrs: Addresses, conn: Connection) -> None:
                        context_len=config.context_length, device=runner.device,
                        use_cache=not args.disable_radix_cache)
         ctx = zmq.Context()
-        inbox = Inbox(ctx, addrs.scheduler, SCHEDULER_INBOX)
-        outbox, to_api = Outbox(ctx, addrs.detokenizer), Outbox(ctx, addrs.api)
-        scheduler = Scheduler(args, runner, kv, outbox.send, to_api.send)
+        inbox = Inbox(ctx, addrs.replicas[replica], SCHEDULER_INBOX)
+        outbox = Outbox(ctx, addrs.detokenizer)
+        if addrs.data_parallel:
+            controller = Outbox(ctx, addrs.scheduler)
+
+            def send(batch: TokenBatch) -> None:
+                outbox.send(batch)
+                controller.send(ReplicaStatus(batch.load, scheduler.received_total))
+            scheduler = Scheduler(args, runner, kv, send, controller.send, replica)
+        else:
+            to_api = [Outbox(ctx, a) for a in addrs.api]
+
+            def reply(msg: ControlReply) -> None:
+                if 0 <= msg.api < len(to_api):      # else a forged request's: nobody asked
+                    to_api[msg.api].send(msg)
+            scheduler = Scheduler(args, runner, kv, outbox.send, reply)
         watchdog = Watchdog(args.watchdog_timeout)
         ready({"max_total_tokens": runner.pool_size, "context_length": config.context_length,
                "dtype": config.dtype, "device": str(runner.device)})
         serve(scheduler, inbox, watchdog)
-    run_child("scheduler", args.log_level, conn, body, ipc_dir=addrs.ipc_dir)
+    run_child(worker_title("scheduler", replica), args.log_level, conn, body,
+              ipc_dir=addrs.ipc_dir)

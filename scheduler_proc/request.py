@@ -15,7 +15,7 @@ class Req:
     """State derived from lists rather than kept in counters: the KV of positions
     0..num_computed-1 lives in `slots`, so num_computed is len(slots)."""
 
-    __slots__ = ("rid", "input_ids", "sampling", "stream", "output_ids", "slots", "row",
+    __slots__ = ("rid", "api", "input_ids", "sampling", "stream", "output_ids", "slots", "row",
                  "prefix_node", "prefix_len", "cached_tokens", "arrived_at", "queue_time",
                  "finish", "announced", "generator", "logprob", "input_logprobs",
                  "pending_logprobs", "held_ids")
@@ -25,6 +25,7 @@ class Req:
         self.input_ids: list[int] = msg.input_ids
         self.sampling: SamplingParams = msg.sampling
         self.stream = msg.stream
+        self.api = msg.api                   # the API process its outputs go to
         self.output_ids: list[int] = []
         self.slots: list[int] = []          # KV slot of each computed position
         self.row: int | None = None          # row in the request-to-token table while admitted
@@ -104,4 +105,4 @@ class Req:
         s = self.sampling
         return DecodeParams(skip_special_tokens=s.skip_special_tokens,
                             spaces_between_special_tokens=s.spaces_between_special_tokens,
-                            stop=list(s.stop), no_stop_trim=s.no_stop_trim)
+                            stop=list(s.stop), no_stop_trim=s.no_stop_trim, api=self.api)

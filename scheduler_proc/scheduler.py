@@ -71,12 +71,15 @@ LOG_RID_CHARS = 80          # a forged rid can be megabytes long: log only its s
 
 class Scheduler:
     def __init__(self, args: ServerArgs, runner, kv: KVManager,
-                 send: Callable[[TokenBatch], None], reply: Callable[[ControlReply], None]):
+                 send: Callable[[TokenBatch], None], reply: Callable[[ControlReply], None],
+                 replica: int = 0):
         """`runner` is a ModelRunner (or a test's stand-in with the same attributes: device,
         context_len, config, forward); `kv` allocates the KV slots of the runner's buffers
         and has a table row for each of args.max_running_requests; `send` takes each
-        step's TokenBatch, `reply` each ControlReply."""
+        step's TokenBatch, `reply` each ControlReply. `replica`: which data-parallel
+        replica this is (--dp-size), named in every load it reports."""
         self.args = args
+        self.replica = replica
         self.runner = runner
         self.kv = kv
         self.send, self.reply = send, reply
@@ -96,6 +99,8 @@ class Scheduler:
         self.generated_tokens_total = 0
         self.retracted_total = 0
         self.rejected_total = 0
+        self.requests_total = 0                   # accepted (queued) since start
+        self.received_total = 0                   # TokenizedRequests handled, any outcome
 
     # ---- the step -----------------------------------------------------------------------
 
@@ -136,6 +141,7 @@ class Scheduler:
 
     def handle(self, msg) -> None:
         if isinstance(msg, TokenizedRequest):
+            self.received_total += 1
             self.add(msg)
         elif isinstance(msg, AbortRequest):
             self.abort(msg)
@@ -145,7 +151,7 @@ class Scheduler:
                     self.finish(req, FinishReason(type="abort",
                                                   message="Released by the detokenizer."))
         elif isinstance(msg, FlushCacheRequest):
-            self.flush_cache(msg.req_id)
+            self.flush_cache(msg.req_id, msg.api)
         else:
             log.error("unexpected message %s", type(msg).__name__)
 
@@ -176,6 +182,7 @@ class Scheduler:
             self.waiting.append(req)
             self.in_flight[req.rid] = req
             self.arrivals.append(req)
+            self.requests_total += 1
 
     def check(self, msg: TokenizedRequest) -> str | None:
         """Why msg cannot run here (a client-facing message), or None. Repeats what the
@@ -214,7 +221,7 @@ class Scheduler:
         self.outputs.append(TokenOutput(
             rid=msg.rid, new_ids=[], prompt_tokens=len(msg.input_ids), cached_tokens=0,
             finish=FinishReason(type="abort", message=message, status_code=400),
-            queue_time=None, decode=DecodeParams()))
+            queue_time=None, decode=DecodeParams(api=msg.api)))
 
     def fit_pool(self, msg: TokenizedRequest) -> None:
         """max_new_tokens was a default (chat without max_tokens): lower it, and
@@ -418,21 +425,26 @@ class Scheduler:
 
     # ---- introspection ------------------------------------------------------------------
 
-    def flush_cache(self, req_id: str) -> None:
+    def flush_cache(self, req_id: str, api: int) -> None:
         if self.running or self.waiting:
             ok, message = False, "Cache not flushed because there are pending requests."
         else:
             self.kv.flush()
             ok, message = True, "Cache flushed."
-        self.reply(ControlReply(req_id=req_id, ok=ok, message=message, load=self.load()))
+        self.reply(ControlReply(req_id=req_id, ok=ok, message=message, loads=[self.load()],
+                                api=api))
 
     def load(self) -> SchedulerLoad:
         pool = self.kv.pool
         self.seq += 1
-        return SchedulerLoad(seq=self.seq, running=len(self.running), queued=len(self.waiting),
+        return SchedulerLoad(seq=self.seq, replica=self.replica, running=len(self.running),
+                             queued=len(self.waiting),
                              kv_total=pool.size, kv_free=pool.num_free,
                              kv_evictable=self.kv.evictable,
                              prompt_tokens_total=self.prompt_tokens_total,
                              generated_tokens_total=self.generated_tokens_total,
                              retracted_total=self.retracted_total,
-                             rejected_total=self.rejected_total)
+                             rejected_total=self.rejected_total,
+                             requests_total=self.requests_total,
+                             queued_tokens=sum(r.seq_len for r in self.waiting),
+                             running_tokens=sum(r.seq_len for r in self.running))

@@ -483,12 +483,30 @@ def out(rid, ids, finish=None, decode=True, **kw) -> TokenOutput:
 
 
 def step(detok, *outputs):
-    text, release = detok.process(TokenBatch(list(outputs), SchedulerLoad(seq=7)))
-    assert text.load == SchedulerLoad(seq=7)
-    return {o.rid: o for o in text.outputs}, release
+    texts, release = detok.process(TokenBatch(list(outputs), SchedulerLoad(seq=7)))
+    assert len(texts) == detok.api_servers
+    assert all(text.load == SchedulerLoad(seq=7) for text in texts)    # load to every API
+    return {o.rid: o for text in texts for o in text.outputs}, release
 
 
 LENGTH = FinishReason("length", length=4)
+
+
+def test_outputs_go_to_the_api_process_that_owns_their_rid(tok):
+    detok = Detokenizer(tok, api_servers=3)
+    ids = tok.encode("hello world")
+    first = [out("a", ids[:1], api=2), out("b", ids[:1], api=0), out("c", ids[:1], api=1)]
+    texts, _ = detok.process(TokenBatch(first, SchedulerLoad(seq=1)))
+    assert [[o.rid for o in t.outputs] for t in texts] == [["b"], ["c"], ["a"]]
+    # Later outputs carry no decode params: the rid's owner is remembered.
+    texts, _ = detok.process(TokenBatch([out("a", ids[1:2], LENGTH, decode=False)],
+                                        SchedulerLoad(seq=2)))
+    assert [[o.rid for o in t.outputs] for t in texts] == [[], [], ["a"]]
+    assert all(t.load.seq == 2 for t in texts)
+    # A forged owner ends its request with an error, sent to process 0 (which drops it).
+    texts, _ = detok.process(TokenBatch([out("d", ids[:1], LENGTH, api=3)],
+                                        SchedulerLoad(seq=3)))
+    assert texts[0].outputs[0].finish.status_code == 500 and detok.failed == 1
 
 
 def test_detokenizer_happy_path(tok):

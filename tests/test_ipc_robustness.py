@@ -194,7 +194,7 @@ FORGED = {
                    TextOutput("f-unknown-2", "", [], FinishReason("abort", message="x",
                                                                   status_code=400))]),
         TextBatch([]),
-        ControlReply("f-unknown", True, "", SchedulerLoad()),
+        ControlReply("f-unknown", True, "", [SchedulerLoad()]),
         TokenBatch([tout("f-x", [5])], SchedulerLoad()),
         GenerateRequest("f-wrong-socket", "hi", None, sp()),
     ],

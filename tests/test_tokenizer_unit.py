@@ -14,7 +14,7 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from checkpoints.tiny import CORPUS
 from tokenizer_proc.hf_tokenizer import HFTokenizer
-from tokenizer_proc.process import (API, SCHEDULER, Tokenizer, Worker, chars_per_token_bound)
+from tokenizer_proc.process import SCHEDULER, Tokenizer, Worker, chars_per_token_bound
 from wire.codec import decode
 from wire.messages import (AbortRequest, ChatMessage, FlushCacheRequest, GenerateRequest,
                            LogprobRequest, ReleaseRequest, TextBatch, TokenizedRequest)
@@ -237,7 +237,7 @@ FORGED = [
 def test_forged_requests_get_a_400(tokenizer, req, fragment):
     worker = Worker(tokenizer)
     dest, frame = worker.handle(req)
-    assert dest == API
+    assert dest == 0                 # the one API process
     batch = decode(frame)
     assert isinstance(batch, TextBatch) and batch.load is None
     (out,) = batch.outputs
@@ -278,12 +278,23 @@ def test_a_bug_ends_only_that_request_with_a_500(tokenizer, monkeypatch, caplog)
     monkeypatch.setattr(tokenizer, "tokenize", broken)
     dest, frame = worker.handle(gen(rid="bad", text="a"))
     (out,) = decode(frame).outputs
-    assert dest == API and out.rid == "bad" and out.finish.status_code == 500
+    assert dest == 0 and out.rid == "bad" and out.finish.status_code == 500
     assert "Internal error in the tokenizer (KeyError)" in out.finish.message
     assert worker.failed == 1
     assert "Traceback" in caplog.text and "oops" in caplog.text
     monkeypatch.undo()
     assert worker.handle(gen(rid="good", text="a"))[0] == SCHEDULER
+
+
+def test_a_reject_goes_to_the_api_process_that_owns_the_request(tokenizer):
+    worker = Worker(tokenizer, api_servers=3)
+    dest, frame = worker.handle(gen(rid="r", input_ids=[], api=2))
+    assert dest == 2 and decode(frame).outputs[0].rid == "r"
+    dest, frame = worker.handle(gen(rid="ok", text="a", api=1))
+    assert dest == SCHEDULER and decode(frame).api == 1      # carried on for the outputs
+    assert worker.handle(gen(rid="forged", text="a", api=3)) is None     # no such process
+    assert worker.handle(gen(rid="forged", text="a", api=-1)) is None
+    assert worker.dropped == 2
 
 
 def test_a_tokenizer_library_error_is_the_input_s_fault(tokenizer, monkeypatch):

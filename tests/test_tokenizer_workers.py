@@ -1,11 +1,14 @@
-"""End to end: --tokenizer-worker-num 3, three tokenizer processes behind the API's one
-ZeroMQ PUSH (which hands them messages in turn).
+"""End to end: --tokenizer-worker-num 3 --api-server-count 2: three tokenizer processes
+behind each API process's one ZeroMQ PUSH (which hands them messages in turn), and two API
+processes on one port (SO_REUSEPORT: each connection is served by one of them).
 
-60 concurrent mixed requests (unary, batch, streaming, /v1/completions, chat) all succeed
+100 concurrent mixed requests (unary, batch, streaming, /v1/completions, chat) all succeed
 with the greedy outputs their prompts get when sent one at a time, batches in input order;
-every worker tokenized some of them; aborts by rid (which travel through another worker
-than their request, and may overtake it) and cache flushes (answered by the scheduler,
-once) work; SIGKILL of one worker takes the server down non-zero and leaves no process.
+every tokenizer worker and both API processes served some of them; aborts by rid (which
+travel through another worker than their request, and may overtake it; or reach another
+API process than their request's) and cache flushes (answered by the scheduler, once)
+work; SIGKILL of one tokenizer worker, or of the second API process, takes the server down
+non-zero and leaves no process.
 """
 
 from __future__ import annotations
@@ -21,13 +24,15 @@ import httpx
 import psutil
 import pytest
 
-from tests.server import Server, serving, wait_idle, wait_until
-from tests.test_lifecycle import LONG, assert_death_takes_the_server_down, wait_running
+from tests.server import Server, wait_idle, wait_until
+from tests.test_lifecycle import (LONG, assert_death_takes_the_server_down, gone,
+                                  wait_running)
 
 pytestmark = pytest.mark.e2e
 
 WORKERS = 3
 TITLES = ["tokenizer", "tokenizer-1", "tokenizer-2"]
+APIS = 2
 MAX_NEW = 16
 NEAR_TIE = 1e-3      # a solo run's top-1 / top-2 logprob margin below this may flip in a batch
 CANDIDATES = [
@@ -36,7 +41,7 @@ CANDIDATES = [
     "def main():", "Dear Sir or Madam", "The weather today", "Rain falls on the hills",
 ]
 PROMPTS = 6          # prompts with a clear greedy path, drawn from CANDIDATES
-JOBS = 60
+JOBS = 100
 KINDS = ("unary", "batch", "stream", "completions", "chat")
 
 
@@ -64,9 +69,35 @@ class Solo:
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    with serving(tiny_model("llama"), "--tokenizer-worker-num", str(WORKERS),
-                 tmpdir=tmp_path_factory.mktemp("tokw")) as s:
+    """Ends in the last test: its second API process is killed."""
+    s = Server(tiny_model("llama"), "--tokenizer-worker-num", str(WORKERS),
+               "--api-server-count", str(APIS), tmpdir=tmp_path_factory.mktemp("tokw"))
+    try:
         yield s
+    finally:
+        killed = s.proc.poll() is not None
+        code = s.terminate()
+        assert killed or code == 0, s.logs()
+
+
+def pinned_client(server: Server, api: int) -> httpx.Client:
+    """A client with one keep-alive connection, which the kernel gave to API process `api`
+    (SO_REUSEPORT spreads connections by a hash of their ports: try new ones until then)."""
+    for _ in range(100):
+        client = httpx.Client(base_url=server.url, timeout=120.0,
+                              limits=httpx.Limits(max_connections=1))
+        if client.get("/server_info").json()["api_server"] == api:
+            return client
+        client.close()
+    pytest.fail(f"no connection reached API process {api} in 100 tries")
+
+
+@pytest.fixture(scope="module")
+def clients(server) -> list[httpx.Client]:
+    pinned = [pinned_client(server, k) for k in range(APIS)]
+    yield pinned
+    for c in pinned:
+        c.close()
 
 
 def solo(server: Server, prompt: str) -> Solo:
@@ -145,11 +176,12 @@ async def run_job(client: httpx.AsyncClient, kind: str, prompts: list[Solo]) -> 
 
 
 @pytest.fixture(scope="module")
-def burst(server, solos) -> dict:
+def burst(server, solos, clients) -> dict:
     """JOBS requests of every kind in turn, all sent at once; each worker's wake-ups
     during the burst."""
     wait_idle(server)
     before = main_thread_wakeups(server)
+    served_before = api_requests(clients)
     jobs = [(KINDS[i % len(KINDS)], [solos[(i + j) % PROMPTS] for j in range(3)])
             for i in range(JOBS)]
 
@@ -162,7 +194,13 @@ def burst(server, solos) -> dict:
     info = wait_idle(server)
     after = main_thread_wakeups(server)
     return {"jobs": jobs, "results": results, "info": info,
-            "wakeups": [a - b for a, b in zip(after, before)]}
+            "wakeups": [a - b for a, b in zip(after, before)],
+            "api_served": [a - b for a, b in zip(api_requests(clients), served_before)]}
+
+
+def api_requests(clients: list[httpx.Client]) -> list[int]:
+    """Requests each API process has taken in since start (its own /server_info)."""
+    return [c.get("/server_info").json()["api_requests_total"] for c in clients]
 
 
 def test_three_tokenizer_processes_with_their_own_inboxes(server):
@@ -184,6 +222,36 @@ def test_concurrent_mixed_requests_equal_their_solo_outputs(burst):
 
 def test_every_tokenizer_worker_tokenized_some_requests(burst):
     assert all(n > 0 for n in burst["wakeups"]), dict(zip(TITLES, burst["wakeups"]))
+
+
+def test_both_api_processes_took_requests_and_see_the_same_server(burst, clients):
+    # A batch of 3 prompts is 3 requests; every job of the burst went to one process.
+    sizes = [3 if kind == "batch" else 1 for kind, _ in burst["jobs"]]
+    assert sum(burst["api_served"]) == sum(sizes) and min(burst["api_served"]) > 0, \
+        burst["api_served"]
+    infos = [c.get("/server_info").json() for c in clients]
+    assert [i["api_server"] for i in infos] == list(range(APIS))
+    whole = ("requests_total", "prompt_tokens_total", "generated_tokens_total", "kv_pool",
+             "replicas")
+    assert all({k: i[k] for k in whole} == {k: infos[0][k] for k in whole} for i in infos)
+
+
+@pytest.mark.parametrize("runs_on,aborted_through", [(0, 1), (1, 0)])
+def test_an_abort_through_the_other_api_process_reaches_its_request(
+        server, clients, runs_on, aborted_through):
+    wait_idle(server)
+    rid = f"cross-{runs_on}"
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(clients[runs_on].post, "/generate", json={**LONG, "rid": rid})
+        deadline = time.monotonic() + 30
+        while clients[aborted_through].post("/abort_request", json={"rid": rid}).json()[
+                "aborted"] != 1:
+            assert time.monotonic() < deadline and not future.done(), "never in flight"
+        r = future.result(timeout=60)
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort", meta
+    assert meta["completion_tokens"] < LONG["sampling_params"]["max_new_tokens"], meta
 
 
 def test_abort_by_rid_reaches_its_request(server):
@@ -274,3 +342,14 @@ def test_a_killed_tokenizer_worker_takes_the_server_down(tiny_model, tmp_path):
         assert_death_takes_the_server_down(s, "tokenizer-1", tmp_path)
     finally:
         s.kill()
+
+
+def test_a_killed_api_process_takes_the_server_down(server):
+    """Last: the module's server ends here. SIGKILL of API process 1: the server exits
+    non-zero within 10 s, leaving no process and no ipc directory."""
+    procs = [psutil.Process(server.proc.pid), *server.children]
+    server.child("api-1").send_signal(signal.SIGKILL)
+    assert server.proc.wait(timeout=10) != 0, server.logs()
+    assert gone(procs, 5.0), [p for p in procs if p.is_running()]
+    assert not list(server.log_path.parent.glob("zserve-*/"))
+    assert "The api-1 process died" in server.logs()

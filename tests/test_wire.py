@@ -49,7 +49,8 @@ SAMPLES: dict[type, list] = {
         m.GenerateRequest(rid="a", text="hi", input_ids=None, sampling=SamplingParams()),
         m.GenerateRequest(rid=UNICODE, text=UNICODE, input_ids=None, sampling=FULL_SAMPLING,
                           stream=True),
-        m.GenerateRequest(rid="b", text=None, input_ids=[1, 2, 3], sampling=SamplingParams()),
+        m.GenerateRequest(rid="b", text=None, input_ids=[1, 2, 3], sampling=SamplingParams(),
+                          api=2),
         m.GenerateRequest(rid="", text="", input_ids=[], sampling=SamplingParams(
             sampling_seed=-(2**63), logit_bias={})),
     ],
@@ -60,7 +61,7 @@ SAMPLES: dict[type, list] = {
     m.TokenizedRequest: [
         m.TokenizedRequest(rid="t", input_ids=[0, 1, 2**31], sampling=FULL_SAMPLING,
                            stream=True),
-        m.TokenizedRequest(rid="t2", input_ids=[], sampling=SamplingParams()),
+        m.TokenizedRequest(rid="t2", input_ids=[], sampling=SamplingParams(), api=1),
     ],
     m.ReleaseRequest: [
         m.ReleaseRequest(rids=[]),
@@ -95,11 +96,20 @@ SAMPLES: dict[type, list] = {
         ], load=LOAD),
         m.TextBatch(outputs=[], load=m.SchedulerLoad()),
     ],
-    m.FlushCacheRequest: [m.FlushCacheRequest(req_id="f1")],
+    m.FlushCacheRequest: [m.FlushCacheRequest(req_id="f1"),
+                          m.FlushCacheRequest(req_id="f2", api=3)],
     m.ControlReply: [
-        m.ControlReply(req_id="f1", ok=True, message="Cache flushed.", load=LOAD),
-        m.ControlReply(req_id="", ok=False, message=UNICODE, load=m.SchedulerLoad()),
+        m.ControlReply(req_id="f1", ok=True, message="Cache flushed.", loads=[LOAD]),
+        m.ControlReply(req_id="", ok=False, message=UNICODE, loads=[m.SchedulerLoad(),
+                       m.SchedulerLoad(replica=1, requests_total=9)], api=1),
     ],
+    m.PeerAbort: [m.PeerAbort(req_id="p", from_api=1, rid=UNICODE, prefix=True, message="x")],
+    m.PeerAbortReply: [m.PeerAbortReply(req_id="p", count=0)],
+    m.ApiControl: [m.ApiControl(kind="lost", message="The scheduler died."),
+                   m.ApiControl(kind="drain")],
+    m.ReplicaStatus: [m.ReplicaStatus(load=LOAD, received=12),
+                      m.ReplicaStatus(load=m.SchedulerLoad(replica=3, queued_tokens=80,
+                                                           running_tokens=1000), received=0)],
 }
 
 ALL_SAMPLES = [msg for msgs in SAMPLES.values() for msg in msgs]
@@ -135,7 +145,8 @@ def test_tags_are_pinned_and_unique():
     # Tags are part of the protocol: append, never renumber.
     assert {cls.__name__: tag for cls, tag in TAGS.items()} == {
         "GenerateRequest": 1, "AbortRequest": 2, "TokenizedRequest": 3, "ReleaseRequest": 4,
-        "TokenBatch": 5, "TextBatch": 6, "FlushCacheRequest": 7, "ControlReply": 8}
+        "TokenBatch": 5, "TextBatch": 6, "FlushCacheRequest": 7, "ControlReply": 8,
+        "ReplicaStatus": 9, "PeerAbort": 10, "PeerAbortReply": 11, "ApiControl": 12}
 
 
 @pytest.mark.parametrize("msg", ALL_SAMPLES, ids=lambda msg: type(msg).__name__)
@@ -447,7 +458,10 @@ RECEIVERS = {
     codec.SCHEDULER_INBOX: {m.TokenizedRequest, m.AbortRequest, m.FlushCacheRequest,
                             m.ReleaseRequest},
     codec.DETOKENIZER_INBOX: {m.TokenBatch},
-    codec.API_INBOX: {m.TextBatch, m.ControlReply},
+    codec.API_INBOX: {m.TextBatch, m.ControlReply, m.PeerAbort, m.PeerAbortReply,
+                      m.ApiControl},
+    codec.DP_CONTROLLER_INBOX: {m.TokenizedRequest, m.AbortRequest, m.FlushCacheRequest,
+                                m.ReleaseRequest, m.ReplicaStatus, m.ControlReply},
 }
 
 

@@ -272,12 +272,13 @@ class Tokenizer:
                 f"the completion. Please reduce the number of tokens in the input messages or "
                 f"the completion to fit within the limit.")
         return TokenizedRequest(rid=req.rid, input_ids=ids, sampling=s, stream=req.stream,
-                                logprob=req.logprob, fit_context=req.fit_context)
+                                logprob=req.logprob, fit_context=req.fit_context,
+                                api=req.api)
 
 
 # ---- the loop body ----------------------------------------------------------------------------
 
-SCHEDULER, API = "scheduler", "api"
+SCHEDULER = -1      # a destination: the scheduler; an int >= 0 is that API process
 
 
 def _client_text(text: str) -> str:
@@ -294,20 +295,23 @@ def error_frame(rid: str, message: str, status_code: int) -> bytes:
 class Worker:
     """What the tokenizer process does with each inbox message, without sockets.
 
-    `handle(msg)` returns (destination, frame) or None (dropped) and never raises.
+    `handle(msg)` returns (destination, frame) or None (dropped) and never raises; the
+    destination is SCHEDULER or the index of the API process that owns the request.
     Counters: `rejected` (requests answered with a 400), `failed` (answered with a 500:
-    a bug here), `dropped` (messages that are not for the tokenizer).
+    a bug here), `dropped` (messages that are not for the tokenizer, or that name an API
+    process that does not exist).
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, api_servers: int = 1):
         self.tokenizer = tokenizer
+        self.api_servers = api_servers
         self.rejected = self.failed = self.dropped = 0
 
-    def handle(self, msg) -> tuple[str, bytes] | None:
+    def handle(self, msg) -> tuple[int, bytes] | None:
         try:
             if isinstance(msg, (AbortRequest, FlushCacheRequest)):
                 return SCHEDULER, encode(msg)   # control messages pass through, in order
-            if isinstance(msg, GenerateRequest):
+            if isinstance(msg, GenerateRequest) and 0 <= msg.api < self.api_servers:
                 return self._generate(msg)
         except Exception:
             log.exception("failed on a %s", type(msg).__name__)
@@ -315,17 +319,17 @@ class Worker:
         log.error("dropped a %s (%d dropped so far)", type(msg).__name__, self.dropped)
         return None
 
-    def _generate(self, msg: GenerateRequest) -> tuple[str, bytes]:
+    def _generate(self, msg: GenerateRequest) -> tuple[int, bytes]:
         try:
             return SCHEDULER, encode(self.tokenizer.tokenize(msg))
         except RequestError as e:
             self.rejected += 1
             log.info("rejected request %s (%d so far): %s", msg.rid, self.rejected, e)
-            return API, error_frame(msg.rid, str(e), 400)
+            return msg.api, error_frame(msg.rid, str(e), 400)
         except Exception as e:
             self.failed += 1
             log.exception("internal error on request %s (%d so far)", msg.rid, self.failed)
-            return API, error_frame(msg.rid, f"Internal error in the tokenizer "
+            return msg.api, error_frame(msg.rid, f"Internal error in the tokenizer "
                                              f"({type(e).__name__}).", 500)
 
 
@@ -333,7 +337,8 @@ def make_worker(config: ServerConfig) -> Worker:
     """The worker as the process builds it: everything from the resolved record (the
     vocabulary size included: config.json is not read again here)."""
     return Worker(Tokenizer(config.tokenizer_path, config.vocab_size, config.context_length,
-                            load_chat_template(config.args.chat_template)))
+                            load_chat_template(config.args.chat_template)),
+                  config.args.api_server_count)
 
 
 def main(config: ServerConfig, addrs: Addresses, index: int, conn: Connection) -> None:
@@ -345,7 +350,8 @@ def main(config: ServerConfig, addrs: Addresses, index: int, conn: Connection) -
         worker = make_worker(config)
         ctx = zmq.Context()
         inbox = Inbox(ctx, addrs.tokenizer[index], TOKENIZER_INBOX)
-        outboxes = {SCHEDULER: Outbox(ctx, addrs.scheduler), API: Outbox(ctx, addrs.api)}
+        outboxes = {SCHEDULER: Outbox(ctx, addrs.scheduler),
+                    **{k: Outbox(ctx, a) for k, a in enumerate(addrs.api)}}
         ready()
         while True:
             for msg in inbox.recv(timeout_ms=None):

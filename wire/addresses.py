@@ -1,7 +1,17 @@
 """The socket address plan: every address any process binds or connects comes from here.
 
 launch.py builds one Addresses and hands it to every child. ipc:// sockets live in a
-private directory created with mode 0700 and removed at shutdown.
+private directory created with mode 0700 and removed at shutdown. Names of the default
+layout (one process of each kind) are "api", "tokenizer", "scheduler", "detokenizer";
+further workers of a kind are "api-1", "tokenizer-1", ... (worker_title).
+
+| address | bound by | pushed to by |
+|---|---|---|
+| api[k] | API process k | the detokenizer (TextBatch of the rids k owns), tokenizers (rejects), the scheduler or DP controller (ControlReply) |
+| tokenizer[i] | tokenizer worker i | every API process (one PUSH connected to all: round-robin) |
+| scheduler | the scheduler, or with --dp-size > 1 the DP controller | tokenizers, the detokenizer (releases), replicas (status, replies) |
+| replicas[r] | replica r's scheduler (--dp-size > 1; else replicas == (scheduler,)) | the DP controller |
+| detokenizer | the detokenizer | every replica's scheduler |
 """
 
 from __future__ import annotations
@@ -15,25 +25,34 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class Addresses:
     ipc_dir: str
-    api: str                    # bound by the API process: TextBatch (and tokenizer rejects)
-    tokenizer: tuple[str, ...]  # one per tokenizer worker, bound by it ("tokenizer",
-                                # "tokenizer-1", ...): GenerateRequest, AbortRequest,
-                                # FlushCacheRequest; the API's one PUSH connects to all
-    scheduler: str              # bound by the scheduler: TokenizedRequest, AbortRequest,
-                                # ReleaseRequest
-    detokenizer: str            # bound by the detokenizer: TokenBatch
+    api: tuple[str, ...]        # one per API process (module docstring's table)
+    tokenizer: tuple[str, ...]  # one per tokenizer worker
+    scheduler: str              # the pipeline's entry to the scheduler side
+    replicas: tuple[str, ...]   # one per scheduler replica
+    detokenizer: str
 
     @classmethod
-    def create(cls, tokenizer_workers: int = 1) -> "Addresses":
+    def create(cls, tokenizer_workers: int = 1, api_servers: int = 1,
+               dp_size: int = 1) -> "Addresses":
         ipc_dir = tempfile.mkdtemp(prefix="zserve-")   # mkdtemp creates it with mode 0700
         os.chmod(ipc_dir, 0o700)
 
         def ipc(name: str) -> str:
             return f"ipc://{os.path.join(ipc_dir, name)}"
-        return cls(ipc_dir=ipc_dir, api=ipc("api"),
-                   tokenizer=tuple(ipc(worker_title("tokenizer", i))
-                                   for i in range(tokenizer_workers)),
-                   scheduler=ipc("scheduler"), detokenizer=ipc("detokenizer"))
+
+        def ipcs(kind: str, n: int) -> tuple[str, ...]:
+            return tuple(ipc(worker_title(kind, i)) for i in range(n))
+        scheduler = ipc("scheduler")
+        replicas = (scheduler,) if dp_size == 1 else \
+            tuple(ipc(f"replica-{r}") for r in range(dp_size))
+        return cls(ipc_dir=ipc_dir, api=ipcs("api", api_servers),
+                   tokenizer=ipcs("tokenizer", tokenizer_workers), scheduler=scheduler,
+                   replicas=replicas, detokenizer=ipc("detokenizer"))
+
+    @property
+    def data_parallel(self) -> bool:
+        """A DP controller sits between the tokenizers and the replicas."""
+        return self.replicas != (self.scheduler,)
 
     def cleanup(self) -> None:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)

@@ -147,6 +147,7 @@ TOKENIZER_INBOX = InboxDecoder("tokenizer", m.TokenizerInbox)
 SCHEDULER_INBOX = InboxDecoder("scheduler", m.SchedulerInbox)
 DETOKENIZER_INBOX = InboxDecoder("detokenizer", m.DetokenizerInbox)
 API_INBOX = InboxDecoder("api", m.ApiInbox)
+DP_CONTROLLER_INBOX = InboxDecoder("dp-controller", m.DpControllerInbox)
 ANY_MESSAGE = InboxDecoder("any", m.Message)      # tests and tools; no process binds this
 
 

@@ -94,6 +94,8 @@ class GenerateRequest(WireStruct, tag=1):
     messages: list[ChatMessage] | None = None
     logprob: LogprobRequest | None = None
     fit_context: bool = False   # lower max_new_tokens to what the context leaves (chat default)
+    api: int = 0                # the API process that owns it (--api-server-count): its
+                                # outputs go to that process's inbox
 
 
 # ---- api -> tokenizer -> scheduler ---------------------------------------------------------
@@ -110,6 +112,7 @@ class FlushCacheRequest(WireStruct, tag=7):
     """Drop the prefix cache (only when no request is running). Answered by ControlReply."""
 
     req_id: str
+    api: int = 0                # where the ControlReply goes
 
 
 # ---- tokenizer -> scheduler ----------------------------------------------------------------
@@ -122,6 +125,7 @@ class TokenizedRequest(WireStruct, tag=3):
     logprob: LogprobRequest | None = None
     fit_context: bool = False   # max_new_tokens was a default: the scheduler may lower it to
                                 # what the KV pool can hold (chat without max_tokens)
+    api: int = 0                # GenerateRequest.api, carried on
 
 
 # ---- detokenizer -> scheduler --------------------------------------------------------------
@@ -142,6 +146,7 @@ class DecodeParams(WireStruct):
     spaces_between_special_tokens: bool = True
     stop: list[str] = field(default_factory=list)
     no_stop_trim: bool = False
+    api: int = 0                        # the API process the rid's outputs go to
 
 
 class TokenOutput(WireStruct):
@@ -160,7 +165,8 @@ class SchedulerLoad(WireStruct):
     """The scheduler's state after a step; rides along every TokenBatch and TextBatch so the
     API always knows the latest without asking (and an idle server sends nothing)."""
 
-    seq: int = 0                        # increases with every snapshot: newer wins
+    seq: int = 0                        # increases with every snapshot of one replica
+    replica: int = 0                    # which scheduler replica (--dp-size) this is
     running: int = 0
     queued: int = 0
     kv_total: int = 0
@@ -170,6 +176,9 @@ class SchedulerLoad(WireStruct):
     generated_tokens_total: int = 0
     retracted_total: int = 0
     rejected_total: int = 0             # forged or invalid requests the scheduler refused
+    requests_total: int = 0             # requests accepted since start
+    queued_tokens: int = 0              # prompt + output tokens of the queued requests
+    running_tokens: int = 0             # the same of the running ones
 
 
 class TokenBatch(WireStruct, tag=5):
@@ -182,10 +191,26 @@ class TokenBatch(WireStruct, tag=5):
 # ---- scheduler -> api ------------------------------------------------------------------------
 
 class ControlReply(WireStruct, tag=8):
+    """The answer to a FlushCacheRequest: from the scheduler, or with --dp-size > 1 from the
+    data-parallel controller, which joins its replicas' answers (one load each)."""
+
     req_id: str
     ok: bool
     message: str
+    loads: list[SchedulerLoad]
+    api: int = 0
+
+
+# ---- scheduler replica -> data-parallel controller (--dp-size > 1) --------------------------
+
+class ReplicaStatus(WireStruct, tag=9):
+    """A replica's load after each step it sends outputs for: the controller's view for
+    --load-balance-method shortest_queue. `received`: TokenizedRequests the replica has
+    taken from its inbox since start, so the controller knows which of the requests it
+    sent are already counted in `load`."""
+
     load: SchedulerLoad
+    received: int
 
 
 # ---- detokenizer (or tokenizer, for rejects) -> api ----------------------------------------
@@ -208,6 +233,36 @@ class TextBatch(WireStruct, tag=6):
     load: SchedulerLoad | None = None   # None on tokenizer rejects
 
 
+# ---- api process -> api process (--api-server-count > 1) ------------------------------------
+
+class PeerAbort(WireStruct, tag=10):
+    """/abort_request reached API process `from_api`: abort the requests of this process
+    whose user rid is `rid` (or starts with it, `prefix`), and answer with a PeerAbortReply.
+    Access rights were checked by the process that received the HTTP request."""
+
+    req_id: str
+    from_api: int
+    rid: str
+    prefix: bool
+    message: str
+
+
+class PeerAbortReply(WireStruct, tag=11):
+    req_id: str
+    count: int                          # requests this process aborted
+
+
+# ---- launcher -> api process k > 0 ----------------------------------------------------------
+
+class ApiControl(WireStruct, tag=12):
+    """kind "lost": a child process died, the server is going down: fail every request with
+    `message` (503) and answer /health with 503. kind "drain": graceful shutdown (stop
+    accepting, let requests finish for --shutdown-timeout seconds, then exit 0)."""
+
+    kind: str
+    message: str = ""
+
+
 # ---- who receives what ------------------------------------------------------------------------
 # One union per inbox (the PULL socket its process binds). Each process decodes with its
 # inbox's decoder (wire/codec.py), so a message sent to the wrong process is a DecodeError.
@@ -215,8 +270,12 @@ class TextBatch(WireStruct, tag=6):
 TokenizerInbox = GenerateRequest | AbortRequest | FlushCacheRequest                 # from the API
 SchedulerInbox = (TokenizedRequest | AbortRequest | FlushCacheRequest               # tokenizer
                   | ReleaseRequest)                                                 # detokenizer
+DpControllerInbox = (SchedulerInbox                              # in the scheduler's place
+                     | ReplicaStatus | ControlReply)             # from the replicas
 DetokenizerInbox = TokenBatch                                                       # scheduler
-ApiInbox = TextBatch | ControlReply        # detokenizer and tokenizer (rejects); scheduler
+ApiInbox = (TextBatch | ControlReply      # detokenizer and tokenizer (rejects); scheduler
+            | PeerAbort | PeerAbortReply | ApiControl)      # other API processes; launcher
 
 Message = (GenerateRequest | AbortRequest | TokenizedRequest | ReleaseRequest | TokenBatch
-           | TextBatch | FlushCacheRequest | ControlReply)                           # every tag
+           | TextBatch | FlushCacheRequest | ControlReply | ReplicaStatus
+           | PeerAbort | PeerAbortReply | ApiControl)                        # every tag

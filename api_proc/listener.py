@@ -1,0 +1,32 @@
+"""The HTTP listening socket, bound before anything else starts so a busy port is found at
+once. Kept free of heavy imports: the launcher binds it before loading the API's modules.
+
+With --api-server-count N > 1 every API process binds its own socket to the same host and
+port with SO_REUSEPORT: the kernel spreads incoming connections over them (by a hash of the
+connection's addresses), so each connection, and every request sent on it, is served by one
+process. Linux lets only processes of the same user join a SO_REUSEPORT group.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+from wire.model_path import StartupError
+
+
+def bind_listener(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        reason = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound " \
+            f"({e.strerror})"
+        raise StartupError(f"--host {host} --port {port}: the address {reason}") from None
+    sock.set_inheritable(False)
+    return sock
