@@ -7,9 +7,13 @@ The flags are resolved against the model once (resolve_args: the model path, con
 dtype, vocabulary...) into a frozen ServerConfig (wire/server_args.py), which every child
 receives and none re-derives.
 
-The launcher is the API process. It spawns the tokenizer workers (--tokenizer-worker-num),
-the scheduler and the detokenizer (multiprocessing "spawn"), waits for each to report
-ready, then serves HTTP with uvicorn on uvloop. A supervisor thread blocks on the
+The launcher is API process 0. It spawns the pipeline (multiprocessing "spawn"): the
+tokenizer workers (--tokenizer-worker-num), the DP controller (--dp-size > 1), each
+replica's scheduler ranks (--dp-size x --tp-size) and the detokenizer; waits for each to
+report ready; then starts API processes 1.. (--api-server-count) and serves HTTP with
+uvicorn on uvloop. With --nnodes > 1, node 0's launcher does all that and also takes the
+other nodes' links (wire/node_link.py); node r's launcher (follow_node) runs only its
+node's scheduler ranks. A supervisor thread blocks on the
 children's sentinels: if one dies, /health turns 503, requests in flight fail with 503, and
 the launcher tears everything down and exits 1. SIGTERM/SIGINT: uvicorn stops accepting
 and lets in-flight requests finish for up to --shutdown-timeout seconds, then ends the rest
@@ -19,6 +23,7 @@ and the exit code is 0.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import multiprocessing as mp
@@ -36,11 +41,12 @@ import setproctitle
 
 from api_proc.listener import bind_listener
 from wire.addresses import Addresses, worker_title
-from wire.messages import ApiControl
+from wire import VERSION, node_link
+from wire.messages import ApiControl, NodeBye, NodeHello, NodeReply
 from wire.model_path import (SIDECAR_FILE, StartupError, describe_source, gguf_sidecar_dir,
                              model_facts, resolve_model_path)
 from wire.proc import read_ready
-from wire.server_args import ServerArgs, ServerConfig, concrete_dtype
+from wire.server_args import ServerArgs, ServerConfig, concrete_dtype, split_host_port
 
 log = logging.getLogger("zserve")
 CHILD_STOP_TIMEOUT = 5.0
@@ -72,6 +78,9 @@ def resolve_args(args: ServerArgs) -> ServerConfig:
         # RoPE is defined (and its table built) for the model's positions only.
         raise StartupError(f"--context-length {context} is longer than the model's "
                            f"max_position_embeddings ({facts.max_position_embeddings})")
+    if args.tp_size > facts.num_attention_heads > 0:
+        raise StartupError(f"--tp-size {args.tp_size}: the model has only "
+                           f"{facts.num_attention_heads} attention heads to split")
     window = facts.sliding_window
     if window is not None and context > window:
         # Attention here is full attention: exact only while sequences fit in the window.
@@ -134,7 +143,9 @@ class Children:
     the "detokenizer"), then, once it is ready, the API processes beyond the launcher's own
     ("api-1", ...). Any one of them dying unasked takes the server down."""
 
-    def __init__(self, config: ServerConfig, addrs: Addresses):
+    def __init__(self, config: ServerConfig, addrs: Addresses, pipeline: bool = True):
+        """pipeline False: only this node's tensor-parallel ranks (a node r > 0 of
+        --nnodes, whose ranks follow node 0's)."""
         import detokenizer_proc.process
         import dp_controller_proc.process
         import scheduler_proc.process
@@ -142,16 +153,21 @@ class Children:
         self.config, self.addrs = config, addrs
         self.procs: dict[str, mp.Process] = {}
         self.ready_pipes = {}
+        self.stopping = False
+        self.api_link: ApiLink | None = None
+        self.links: dict[str, socket.socket] = {}   # --nnodes: the node links ("node 1")
+        ranks = [(scheduler_proc.process.rank_title(r, k), scheduler_proc.process.main, (r, k))
+                 for r in range(len(addrs.replicas)) for k in node_ranks(config.args)]
+        if not pipeline:
+            self.start(ranks)
+            return
         specs = [(worker_title("tokenizer", i), tokenizer_proc.process.main, (i,))
                  for i in range(len(addrs.tokenizer))]
         if addrs.data_parallel:
             specs.append(("dp-controller", dp_controller_proc.process.main, ()))
-        specs += [(worker_title("scheduler", r), scheduler_proc.process.main, (r,))
-                  for r in range(len(addrs.replicas))]
+        specs += ranks
         specs.append(("detokenizer", detokenizer_proc.process.main, ()))
         self.start(specs)
-        self.stopping = False
-        self.api_link: ApiLink | None = None
 
     def start(self, specs) -> None:
         ctx = mp.get_context("spawn")
@@ -193,8 +209,11 @@ class Children:
         infos: dict[str, dict] = {}
         pending, self.ready_pipes = self.ready_pipes, {}    # each child reports once
         sentinels = {p.sentinel: n for n, p in self.procs.items()}
+        links = {sock: name for name, sock in self.links.items()}
         while pending:
-            for obj in wait([*pending.values(), *sentinels]):
+            for obj in wait([*pending.values(), *sentinels, *links]):
+                if obj in links:        # a node's launcher went away (its ranks with it)
+                    raise RuntimeError(f"{links[obj]} left during startup (its link closed)")
                 if obj in sentinels:
                     name = sentinels[obj]
                     if name in pending:
@@ -217,8 +236,12 @@ class Children:
         says how it ended ("exit code 1", "killed by SIGKILL")."""
         def watch() -> None:
             sentinels = {p.sentinel: n for n, p in self.procs.items()}
-            ready = wait(list(sentinels))
+            links = {sock: name for name, sock in self.links.items()}
+            ready = wait([*sentinels, *links])
             if self.stopping:
+                return
+            if ready[0] in links:       # node r never writes after its hello: EOF
+                on_death(links[ready[0]], "its launcher's link closed")
                 return
             name = sentinels[ready[0]]
             proc = self.procs[name]
@@ -227,10 +250,15 @@ class Children:
         threading.Thread(target=watch, name="supervisor", daemon=True).start()
 
     def stop(self) -> None:
-        """Children ignore SIGTERM (see wire/proc.py) and keep no state: kill them."""
+        """Children ignore SIGTERM (see wire/proc.py) and keep no state: kill them. The
+        other nodes (node 0's links) are told this is a shutdown, not a death."""
         self.stopping = True
         if self.api_link is not None:
             self.api_link.close()
+        for sock in self.links.values():
+            with contextlib.suppress(OSError):
+                node_link.send(sock, NodeBye("node 0 shut down"))
+            sock.close()
         for p in self.procs.values():
             if p.is_alive():
                 p.kill()
@@ -263,6 +291,105 @@ class ApiLink:
             self.ctx.term()
 
 
+def node_hello(config: ServerConfig) -> NodeHello:
+    args, m = config.args, config.model
+    return NodeHello(node_rank=args.node_rank, nnodes=args.nnodes, tp_size=args.tp_size,
+                     dtype=config.dtype, context_length=config.context_length,
+                     model=f"{m.architecture}, {m.num_params} parameters, vocabulary "
+                           f"{m.vocab_size}", version=VERSION)
+
+
+def accept_nodes(config: ServerConfig, server: socket.socket) -> dict[str, socket.socket]:
+    """Node 0: take every other node's link within --dist-timeout; each one's NodeHello
+    must match this node's settings (else both nodes fail at startup, saying which)."""
+    args = config.args
+    deadline = time.monotonic() + args.dist_timeout
+    ours = node_hello(config)
+    links: dict[str, socket.socket] = {}
+    while len(links) < args.nnodes - 1:
+        sock = node_link.accept(server, deadline)
+        hello = node_link.recv(sock, timeout=max(deadline - time.monotonic(), 1.0))
+        problem = hello_mismatch(ours, hello, links)
+        node_link.send(sock, NodeReply(ok=problem is None, message=problem or ""))
+        if problem is not None:
+            sock.close()
+            raise StartupError(f"a node could not join: {problem}")
+        links[f"node {hello.node_rank}"] = sock
+        log.info("node %d of %d joined", hello.node_rank, args.nnodes)
+    return links
+
+
+def hello_mismatch(ours: NodeHello, hello, links: dict) -> str | None:
+    if not isinstance(hello, NodeHello):
+        return f"expected a NodeHello, got a {type(hello).__name__}"
+    if not 0 < hello.node_rank < ours.nnodes or f"node {hello.node_rank}" in links:
+        return f"--node-rank {hello.node_rank} is not free in 1..{ours.nnodes - 1}"
+    for name in ("nnodes", "tp_size", "dtype", "context_length", "model", "version"):
+        if getattr(hello, name) != getattr(ours, name):
+            return (f"node {hello.node_rank} has {name} {getattr(hello, name)!r}, node 0 "
+                    f"has {getattr(ours, name)!r}")
+    return None
+
+
+def follow_node(config: ServerConfig) -> int:
+    """Node r > 0 of --nnodes: run this node's tensor-parallel ranks, which follow node 0's
+    (no HTTP, no pipeline). Exit 0 when node 0 shuts down (NodeBye), 1 when it dies or one
+    of our ranks does (closing our link takes node 0 down)."""
+    args = config.args
+    host, port = split_host_port(args.dist_init_addr)
+    addrs = Addresses.create(dist_init=(host, port))
+    children = link = None
+    try:
+        deadline = time.monotonic() + args.dist_timeout
+        link = node_link.connect(host, node_link.link_port(port), deadline)
+        node_link.send(link, node_hello(config))
+        reply = node_link.recv(link, timeout=max(deadline - time.monotonic(), 1.0))
+        if not isinstance(reply, NodeReply) or not reply.ok:
+            raise StartupError(f"node 0 refused this node: "
+                               f"{getattr(reply, 'message', type(reply).__name__)}")
+        children = Children(config, addrs, pipeline=False)
+        children.links = {"node 0": link}
+        children.wait_ready()
+        ranks = node_ranks(args)
+        log.info("ranks %d..%d of %d ready, following node 0 at %s", ranks[0], ranks[-1],
+                 args.tp_size, args.dist_init_addr)
+        sentinels = {p.sentinel: n for n, p in children.procs.items()}
+        ready = wait([*sentinels, link])
+        if link not in ready:
+            name = sentinels[ready[0]]
+            log.error("the %s process died (%s); leaving", name,
+                      describe_exit(children.procs[name].exitcode))
+            return 1
+        try:
+            bye = node_link.recv(link, timeout=1.0)
+        except node_link.LinkError as e:
+            log.error("node 0 is gone (%s); leaving", e)
+            return 1
+        log.info("node 0 shut down (%s)", getattr(bye, "reason", type(bye).__name__))
+        return 0 if isinstance(bye, NodeBye) else 1
+    except Shutdown as e:
+        log.info("%s: shutting down", e)
+        return 0
+    except (StartupError, node_link.LinkError, RuntimeError) as e:
+        log.error("startup failed: %s", str(e).strip().splitlines()[-1] if str(e) else e)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if children is not None:
+            children.links = {}
+            children.stop()
+        if link is not None:
+            link.close()
+        addrs.cleanup()
+
+
+def node_ranks(args: ServerArgs) -> range:
+    """The tensor-parallel ranks of each replica that run on this node."""
+    per_node = args.tp_size // args.nnodes
+    return range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
+
+
 def describe_exit(code: int | None) -> str:
     if code is None:
         return "exit code unknown"
@@ -283,16 +410,24 @@ def _on_signal(signum, _frame) -> None:
     raise Shutdown(signal.Signals(signum).name)
 
 
-def serve(config: ServerConfig, listener: socket.socket) -> int:
+def serve(config: ServerConfig, listener: socket.socket,
+          link_server: socket.socket | None = None) -> int:
+    """Node 0 (the only node unless --nnodes): the whole server. link_server: where the
+    other nodes' launchers connect (--nnodes > 1)."""
     args = config.args
     addrs = Addresses.create(tokenizer_workers=args.tokenizer_worker_num,
-                             api_servers=args.api_server_count, dp_size=args.dp_size)
+                             api_servers=args.api_server_count, dp_size=args.dp_size,
+                             dist_init=split_host_port(args.dist_init_addr)
+                             if args.nnodes > 1 else None)
     children = None
     try:
         # The children first: the scheduler's model load is the long pole of startup. The
         # API's own modules load meanwhile (ZeroMQ queues what a child sends before the
         # API's inbox is bound).
         children = Children(config, addrs)
+        if link_server is not None:
+            children.links = accept_nodes(config, link_server)
+            link_server.close()
         from api_proc.app import build_app
         from api_proc.server import make_server
         from api_proc.state import Admission, Dispatcher
@@ -339,7 +474,7 @@ def serve(config: ServerConfig, listener: socket.socket) -> int:
     except Shutdown as e:
         log.info("%s during startup: shutting down", e)
         return 0
-    except RuntimeError as e:
+    except (RuntimeError, StartupError, node_link.LinkError) as e:
         text = str(e).strip()
         if not log.isEnabledFor(logging.DEBUG):     # tracebacks at --log-level debug only
             text = text.splitlines()[-1] if text else "unknown error"
@@ -376,18 +511,25 @@ def main(argv: list[str] | None = None) -> int:
     # it: it is set before any of them loads torch.
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
     args = ServerArgs.from_cli(argv)
+    name = "api" if args.node_rank == 0 else f"node-{args.node_rank}"
     logging.basicConfig(level=args.log_level.upper(),
-                        format="[%(asctime)s api] %(levelname)s %(message)s")
-    setproctitle.setproctitle("zserve::api")
+                        format=f"[%(asctime)s {name}] %(levelname)s %(message)s")
+    setproctitle.setproctitle(f"zserve::{name}")
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     try:
         config = resolve_args(args)
+        if args.node_rank > 0:
+            return follow_node(config)
         listener = bind_listener(args.host, args.port, reuse_port=args.api_server_count > 1)
-    except StartupError as e:
+        link_server = None
+        if args.nnodes > 1:
+            host, port = split_host_port(args.dist_init_addr)
+            link_server = node_link.listen(host, node_link.link_port(port))
+    except (StartupError, OSError) as e:
         sys.stderr.write(f"zserve: {e}\n")
         return 2
-    return serve(config, listener)
+    return serve(config, listener, link_server)
 
 
 if __name__ == "__main__":

@@ -26,12 +26,12 @@ from api_proc.guard import Guard, parse_origins
 from api_proc.native import GenerateHandler
 from api_proc.openai_api import OpenAIHandler
 from api_proc.state import Dispatcher
+from wire import VERSION
 from wire.messages import GenerateRequest, SchedulerLoad
 from wire.sampling import SamplingParams
 from wire.server_args import ServerConfig
 
 log = logging.getLogger(__name__)
-VERSION = "0.1.0"
 HEALTH_GENERATE_TIMEOUT = 20.0      # seconds for /health_generate's one-token generation
 
 

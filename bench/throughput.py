@@ -3,6 +3,7 @@
     python -m bench.throughput [--model-path DIR|FILE.gguf] [--dtype float32|bfloat16]
         [--num-prompts 32] [--input-len 32] [--output-len 128] [--mode batch|single|both]
         [--single-prompts 4] [--url URL] [--skip-hf] [--json PATH] [--server-args "..."]
+        [--compare-configs base= dp2="--dp-size 2" tp2="--tp-size 2" ...]
 
 --model-path: an HF checkpoint directory or a GGUF file (or a directory holding one); without
 it, the model launch.py serves by default (SmolLM2-135M-Instruct, a Q4_1 GGUF). A GGUF is
@@ -29,6 +30,11 @@ FLOPs are left out, a few percent at these lengths) and peak the best measured
 bfloat16 on a CPU without a native bf16 GEMM, where torch's bf16 matmul is far slower than
 its float32 one, the float32 rate: bf16 compute there is float32 in effect).
 torch.set_num_threads is left at its default in both systems.
+
+--compare-configs LABEL=FLAGS ...: zserve is run once per entry, one server after another,
+each with those launch.py flags added (the scale-out flags: --dp-size, --tp-size, ...); a
+second table gives each one's tokens/s as a multiple of the first entry's, its mean TTFT and
+the resident memory of its whole process tree after the run.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import tempfile
 import time
 
 import httpx
+import psutil
 
 from tests.server import Server     # the one harness for launching zserve as a subprocess
 
@@ -387,9 +394,78 @@ def print_table(report: dict) -> None:
           f"and the numbers are noisy.")
     if report.get("zserve_startup_s") is not None:
         print(f"zserve startup to /health: {report['zserve_startup_s']:.1f} s")
+    compared = [r for r in rows if r.get("config_flags") is not None]
+    if compared:
+        print()
+        print("configs (--compare-configs), same workload, one server after another:")
+        base = {}
+        for r in compared:
+            base.setdefault(r["mode"], r["tok_s"])
+            print(f"  {r['system']:<24} {r['mode']:<6} {r['tok_s']:8.1f} tok/s  "
+                  f"x{r['tok_s'] / base[r['mode']]:.2f} of the first  "
+                  f"TTFT {_fmt(r['ttft_mean_s'], 1000)} ms  "
+                  f"RSS {_fmt(r.get('rss_mb'), spec='.0f')} MB  flags: {r['config_flags'] or '-'}")
 
 
 # ---------------------------------------------------------------------------------------
+
+
+def parse_config(text: str) -> tuple[str, str]:
+    """--compare-configs entry "LABEL=FLAGS" (FLAGS may be empty: the base)."""
+    label, sep, flags = text.partition("=")
+    if not sep or not label:
+        raise SystemExit(f"--compare-configs: expected LABEL=FLAGS, got {text!r}")
+    return label, flags
+
+
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of a process and all its descendants, in MB."""
+    proc = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]) / 1e6
+
+
+def run_zserve(args, model_path: str, prompts, single_prompts, modes, report,
+               flags: list[str]) -> list[dict]:
+    """One zserve server (launched with `flags`, or --url): warm-up, then each mode."""
+    server = None
+    results = []
+    try:
+        if args.url:
+            url = args.url.rstrip("/")
+            wait_health(url, args.url_wait)
+        else:
+            server, report["zserve_startup_s"] = launch_server(model_path, args.dtype, flags)
+            url = server.url
+        try:
+            info = httpx.get(url + "/server_info", timeout=10).json()
+            report["zserve_server_info"] = info
+            if info.get("dtype") not in (None, "auto", args.dtype):
+                print(f"# warning: the server runs {info['dtype']}, not --dtype "
+                      f"{args.dtype}", file=sys.stderr)
+            if info.get("model_path") and not same_model(info["model_path"], model_path):
+                print(f"# warning: the server serves {info['model_path']}, not "
+                      f"{model_path}", file=sys.stderr)
+        except Exception:
+            pass
+        print("# zserve warm-up ...", file=sys.stderr)
+        zserve_warmup(url, prompts, args.output_len)
+        for mode in modes:
+            print(f"# zserve {mode} ...", file=sys.stderr)
+            if mode == "batch":
+                results.append(zserve_batch(url, prompts, args.output_len, args.dtype))
+            else:
+                results.append(zserve_single(url, single_prompts, args.output_len, args.dtype))
+            if server is not None:
+                results[-1]["rss_mb"] = tree_rss_mb(server.proc.pid)
+    except Exception:
+        if server is not None:
+            print(f"# server log tail:\n{server.logs()[-4000:]}", file=sys.stderr)
+        raise
+    finally:
+        if server is not None:
+            rc = server.terminate()
+            print(f"# zserve stopped (exit {rc})", file=sys.stderr)
+    return results
 
 
 def main(argv=None) -> int:
@@ -409,11 +485,18 @@ def main(argv=None) -> int:
     p.add_argument("--skip-hf", action="store_true", help="do not run transformers")
     p.add_argument("--skip-zserve", action="store_true", help="do not run zserve")
     p.add_argument("--server-args", default="", help="extra launch.py flags (one string)")
+    p.add_argument("--compare-configs", nargs="+", default=[], metavar="LABEL=FLAGS",
+                   help="run zserve once per entry, one after another, with these launch.py "
+                        "flags added (e.g. base= dp2='--dp-size 2' tp2='--tp-size 2'); "
+                        "the table gives each one's tok/s relative to the first, and the "
+                        "memory of its process tree")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the results here as JSON")
     args = p.parse_args(argv)
     if args.output_len < 1 or args.input_len < 1 or args.num_prompts < 1:
         p.error("lengths and counts must be positive")
+    if args.compare_configs and args.url:
+        p.error("--compare-configs launches its own servers: drop --url")
 
     import torch
 
@@ -452,42 +535,15 @@ def main(argv=None) -> int:
         print(f"# {r['system']} {r['mode']}: {r['tok_s']:.1f} tok/s", file=sys.stderr)
 
     if not args.skip_zserve:
-        server = None
-        try:
-            if args.url:
-                url = args.url.rstrip("/")
-                wait_health(url, args.url_wait)
-            else:
-                server, report["zserve_startup_s"] = launch_server(
-                    model_path, args.dtype, shlex.split(args.server_args))
-                url = server.url
-            try:
-                info = httpx.get(url + "/server_info", timeout=10).json()
-                report["zserve_server_info"] = info
-                if info.get("dtype") not in (None, "auto", args.dtype):
-                    print(f"# warning: the server runs {info['dtype']}, not --dtype "
-                          f"{args.dtype}", file=sys.stderr)
-                if info.get("model_path") and not same_model(info["model_path"], model_path):
-                    print(f"# warning: the server serves {info['model_path']}, not "
-                          f"{model_path}", file=sys.stderr)
-            except Exception:
-                pass
-            print("# zserve warm-up ...", file=sys.stderr)
-            zserve_warmup(url, prompts, args.output_len)
-            for mode in modes:
-                print(f"# zserve {mode} ...", file=sys.stderr)
-                if mode == "batch":
-                    add(zserve_batch(url, prompts, args.output_len, args.dtype))
-                else:
-                    add(zserve_single(url, single_prompts, args.output_len, args.dtype))
-        except Exception:
-            if server is not None:
-                print(f"# server log tail:\n{server.logs()[-4000:]}", file=sys.stderr)
-            raise
-        finally:
-            if server is not None:
-                rc = server.terminate()
-                print(f"# zserve stopped (exit {rc})", file=sys.stderr)
+        configs = [parse_config(c) for c in args.compare_configs] or [("", "")]
+        for label, flags in configs:
+            results = run_zserve(args, model_path, prompts, single_prompts, modes, report,
+                                 shlex.split(args.server_args) + shlex.split(flags))
+            for r in results:
+                if label:
+                    r["system"] = f"zserve[{label}]"
+                    r["config_flags"] = flags
+                add(r)
 
     if not args.skip_hf:
         print("# transformers: loading ...", file=sys.stderr)

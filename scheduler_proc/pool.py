@@ -16,6 +16,8 @@ import math
 import numpy as np
 import torch
 
+from wire.messages import TableWrite
+
 
 class TokenPool:
     """Allocator of KV slots. `can_allocate / allocate / free`; double frees are errors."""
@@ -90,7 +92,11 @@ class KVCache:
 
 class ReqToToken:
     """Row r maps request r's positions to slots. Rows are handed out to running requests;
-    unused entries stay 0 (the padding slot)."""
+    unused entries stay 0 (the padding slot).
+
+    `log`: None, or (tensor-parallel rank 0: ModelRunner.share_table) a list every write()
+    is appended to, in order, so the followers can mirror the table; the runner drains it
+    into each step's plan. Frees are not logged (runner.py says why none is needed)."""
 
     def __init__(self, max_reqs: int, context_len: int, device: torch.device | str):
         self.size = max_reqs
@@ -99,6 +105,7 @@ class ReqToToken:
         # for a tensor built from the list (a decode step writes once per running request).
         self._host = self.table.numpy() if self.table.device.type == "cpu" else None
         self._free_rows = list(range(max_reqs - 1, -1, -1))
+        self.log: list[TableWrite] | None = None
 
     @property
     def num_free(self) -> int:
@@ -116,6 +123,8 @@ class ReqToToken:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: list[int]) -> None:
+        if self.log is not None:        # a copy: callers pass lists they extend later
+            self.log.append(TableWrite(row=row, start=start, slots=list(slots)))
         if self._host is not None:
             self._host[row, start:start + len(slots)] = slots
         else:

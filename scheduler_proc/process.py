@@ -9,6 +9,10 @@ before the loop blocks idle (no timer thread, no CPU use), and re-armed at most 
 REARM_INTERVAL seconds while busy (arming starts a thread, ~30 us): it fires between S and
 S + REARM_INTERVAL seconds after the last step began.
 
+Tensor parallelism (--tp-size T > 1): T processes per replica, joined by torch.distributed;
+rank 0 runs all of the above, ranks > 0 follow it (tp_worker.py). The watchdog guards
+every rank: a follower's timer is paused while it waits for rank 0's next step.
+
 Data parallelism (--dp-size > 1): replica r binds its own address (Addresses.replicas[r]);
 its control replies go to the DP controller, which also gets a ReplicaStatus (the load and
 how many requests it has received) with every TokenBatch the replica sends.
@@ -17,6 +21,7 @@ how many requests it has received) with every TokenBatch the replica sends.
 from __future__ import annotations
 
 import faulthandler
+import os
 import sys
 import time
 from multiprocessing.connection import Connection
@@ -66,38 +71,79 @@ def serve(scheduler, inbox: Inbox, watchdog: Watchdog) -> None:
         scheduler.step(msgs)
 
 
-def main(config: ServerConfig, addrs: Addresses, replica: int, conn: Connection) -> None:
+def threads_per_rank(args) -> int:
+    """Intra-op threads of each model process: this node's cores shared by its --dp-size x
+    --tp-size / --nnodes model processes (torch would give each one all of them, and
+    oversubscribed OpenMP threads spin against each other). OMP_NUM_THREADS overrides."""
+    model_procs = args.dp_size * args.tp_size // args.nnodes
+    return max(1, (os.cpu_count() or 1) // model_procs)
+
+
+def rank_title(replica: int, rank: int) -> str:
+    """Process title of tensor-parallel rank `rank` of replica `replica`: rank 0 is the
+    replica's scheduler ("scheduler", "scheduler-1", ...), the others its followers
+    ("scheduler-tp1", "scheduler-1-tp1", ...)."""
+    base = worker_title("scheduler", replica)
+    return base if rank == 0 else f"{base}-tp{rank}"
+
+
+def main(config: ServerConfig, addrs: Addresses, replica: int, rank: int,
+         conn: Connection) -> None:
+    """Rank `rank` of replica `replica` (--tp-size ranks each, --dp-size replicas). Rank 0 is
+    the scheduler; ranks > 0 are tensor-parallel followers (tp_worker.py) with no sockets of
+    their own: they take every step from rank 0's broadcast."""
     args = config.args
 
     def body(ready) -> None:
         # These import torch: after run_child has set the process title.
-        from scheduler_proc.kv_manager import KVManager
-        from scheduler_proc.runner import ModelRunner
-        from scheduler_proc.scheduler import Scheduler
-        runner = ModelRunner(config)
-        kv = KVManager(pool_size=runner.pool_size, max_running=args.max_running_requests,
-                       context_len=config.context_length, device=runner.device,
-                       use_cache=not args.disable_radix_cache)
-        ctx = zmq.Context()
-        inbox = Inbox(ctx, addrs.replicas[replica], SCHEDULER_INBOX)
-        outbox = Outbox(ctx, addrs.detokenizer)
-        if addrs.data_parallel:
-            controller = Outbox(ctx, addrs.scheduler)
+        import torch
 
-            def send(batch: TokenBatch) -> None:
-                outbox.send(batch)
-                controller.send(ReplicaStatus(batch.load, scheduler.received_total))
-            scheduler = Scheduler(args, runner, kv, send, controller.send, replica)
-        else:
-            to_api = [Outbox(ctx, a) for a in addrs.api]
-
-            def reply(msg: ControlReply) -> None:
-                if 0 <= msg.api < len(to_api):      # else a forged request's: nobody asked
-                    to_api[msg.api].send(msg)
-            scheduler = Scheduler(args, runner, kv, outbox.send, reply)
+        from scheduler_proc.tp import SoloGroup, init_dist_group
+        if "OMP_NUM_THREADS" not in os.environ and args.dp_size * args.tp_size > 1:
+            torch.set_num_threads(threads_per_rank(args))   # one process: torch's default
+        group = SoloGroup() if args.tp_size == 1 else \
+            init_dist_group(args.device, addrs.dist[replica], rank, args.tp_size)
         watchdog = Watchdog(args.watchdog_timeout)
-        ready({"max_total_tokens": runner.pool_size, "context_length": config.context_length,
-               "dtype": config.dtype, "device": str(runner.device)})
+        if rank > 0:
+            from scheduler_proc.tp_worker import run_follower
+            run_follower(config, group, watchdog, ready)
+            return
+        scheduler, inbox, info = build_scheduler(config, addrs, replica, group)
+        ready(info)
         serve(scheduler, inbox, watchdog)
-    run_child(worker_title("scheduler", replica), args.log_level, conn, body,
-              ipc_dir=addrs.ipc_dir)
+    run_child(rank_title(replica, rank), args.log_level, conn, body, ipc_dir=addrs.ipc_dir)
+
+
+def build_scheduler(config: ServerConfig, addrs: Addresses, replica: int, group):
+    """Rank 0 of a replica: the model (this rank's shard), the KV manager, the sockets and
+    the Scheduler core. Returns (scheduler, inbox, ready info); under tensor parallelism
+    it returns once every rank holds its shard and its copy of the request table."""
+    from scheduler_proc.kv_manager import KVManager
+    from scheduler_proc.runner import ModelRunner
+    from scheduler_proc.scheduler import Scheduler
+    args = config.args
+    runner = ModelRunner(config, tp=group)
+    kv = KVManager(pool_size=runner.pool_size, max_running=args.max_running_requests,
+                   context_len=config.context_length, device=runner.device,
+                   use_cache=not args.disable_radix_cache)
+    runner.share_table(kv.req_to_token)
+    ctx = zmq.Context()
+    inbox = Inbox(ctx, addrs.replicas[replica], SCHEDULER_INBOX)
+    outbox = Outbox(ctx, addrs.detokenizer)
+    if addrs.data_parallel:
+        controller = Outbox(ctx, addrs.scheduler)
+
+        def send(batch: TokenBatch) -> None:
+            outbox.send(batch)
+            controller.send(ReplicaStatus(batch.load, scheduler.received_total))
+        scheduler = Scheduler(args, runner, kv, send, controller.send, replica)
+    else:
+        to_api = [Outbox(ctx, a) for a in addrs.api]
+
+        def reply(msg: ControlReply) -> None:
+            if 0 <= msg.api < len(to_api):      # else a forged request's: nobody asked
+                to_api[msg.api].send(msg)
+        scheduler = Scheduler(args, runner, kv, outbox.send, reply)
+    info = {"max_total_tokens": runner.pool_size, "context_length": config.context_length,
+            "dtype": config.dtype, "device": str(runner.device)}
+    return scheduler, inbox, info

@@ -7,12 +7,32 @@ and the request-to-token table, runs one model call over the whole ragged batch,
 logits only for the rows that sample, and returns one sampled token id per sampling
 segment. It never decides what to run.
 
+A step is two halves: `plan(segments)` turns the segments into a StepPlan (wire/messages.py:
+token ids, positions, slots, the attention layout, which rows get logits), and
+`execute(plan, table)` runs it: StepAttention.build, the model, one compute_logits per
+input-logprob range, then one for the sampled rows, always in that order.
+
+Tensor parallelism (`tp`, scheduler_proc/tp.py, size T > 1): every rank holds a shard of the
+model (models/tp.py) and a KV cache of its own kv heads, and every rank runs `execute` on
+the same plan, so all ranks make the same collectives with the same shapes in the same
+order. Only rank 0 runs the Scheduler and KVManager; its `forward` broadcasts each plan
+(msgpack, no pickle) before executing it, and does the sampling and logprobs alone on the
+gathered logits. The followers run tp_worker.follow. What a follower needs besides the
+plan is the request table: rank 0's ReqToToken logs its writes (`share_table`), each plan
+carries the writes made since the previous one, and a follower applies them to its own
+table before executing. Rows freed on rank 0 are not cleared on the followers: positions
+past a row's length are never attended (only masked out in SDPA's padded decode batch).
+The KV pool size is the smallest any rank can hold (all_reduce_min at construction);
+`share_table` sends it with the table's shape (TPInit) and waits for every rank.
+
 Faults: an exception from the model call propagates (the scheduler ends the step's
-requests). Sampling is isolated per request: if sampling the batch raises, each row is
-sampled again alone (seeded generators rewound first), and a row that fails alone gets the
-exception in place of its token. A CUDA error other than out-of-memory is sticky (the
-context, weights and KV included, can no longer be trusted), so `leaves_device_unknown`
-marks it for the scheduler to take the process down.
+requests). Under tensor parallelism it is a TPFault instead, which leaves_device_unknown
+marks fatal: a peer may be inside a collective this rank will never join. Sampling is
+isolated per request: if sampling the batch raises, each row is sampled again alone (seeded
+generators rewound first), and a row that fails alone gets the exception in place of its
+token. A CUDA error other than out-of-memory is sticky (the context, weights and KV
+included, can no longer be trusted), so `leaves_device_unknown` marks it for the scheduler
+to take the process down.
 
 Memory: where the model's linears are oneDNN's (models/packed.py: CPUs without AVX-512, or
 ZSERVE_CPU_KERNELS=0), oneDNN JIT-compiles a kernel for each (weight shape, row count) it
@@ -29,15 +49,19 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import psutil
 import torch
 
 from scheduler_proc.attention import StepAttention, decode_kernel_fits
 from scheduler_proc.models import ModelConfig, load_model
-from scheduler_proc.pool import KVCache
+from scheduler_proc.pool import KVCache, ReqToToken
 from scheduler_proc.request import Req
 from scheduler_proc.sampler import sample_tokens, token_logprobs
+from scheduler_proc.tp import SOLO, TPFault, rank_device
+from wire.codec import encode
+from wire.messages import StepPlan, TableWrite, TPInit
 from wire.server_args import ServerArgs, ServerConfig
 
 log = logging.getLogger(__name__)
@@ -62,7 +86,10 @@ class Segment:
 
 def leaves_device_unknown(exc: BaseException) -> bool:
     """True for errors after which the model state cannot be trusted: a CUDA error other
-    than out-of-memory poisons the whole context."""
+    than out-of-memory poisons the whole context; a failed tensor-parallel step (TPFault)
+    leaves the peers' state unknown."""
+    if isinstance(exc, TPFault):
+        return True
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return False
     return (isinstance(exc, getattr(torch, "AcceleratorError", ())) or
@@ -79,31 +106,38 @@ def bound_onednn_caches() -> None:
 
 
 class ModelRunner:
-    def __init__(self, resolved: ServerConfig):
+    def __init__(self, resolved: ServerConfig, tp=SOLO):
         """Settings from the resolved record (wire/server_args.py); only the KV pool size is
         worked out here when --max-total-tokens is not given: it depends on the memory left
-        once the weights are loaded."""
+        once the weights are loaded. tp: this rank's tensor-parallel group; every rank of
+        it must construct its runner (the pool size is agreed on here)."""
         args = resolved.args
         bound_onednn_caches()
-        self.device = torch.device(args.device)
+        self.tp = tp
+        self.device = (torch.device(args.device) if tp.size == 1
+                       else rank_device(args.device, tp.rank))
         self.dtype: torch.dtype = getattr(torch, resolved.dtype)
-        self.config = ModelConfig.from_dir(resolved.model_path)
+        self.config = ModelConfig.from_dir(resolved.model_path)     # the whole model's
         self.context_len = resolved.context_length
-        self.model = load_model(resolved.model_path, self.dtype, self.device)
+        self.model = load_model(resolved.model_path, self.dtype, self.device, tp=tp)
         self.eos_ids = list(self.config.eos_token_ids)
-        c = self.config
+        c = self.model.config                       # this rank's heads (all of them on one)
         self.pool_size = args.max_total_tokens or self._default_pool_size(args)
+        if tp.size > 1:
+            self.pool_size = tp.all_reduce_min(self.pool_size)
         self.cache = KVCache(c.num_layers, self.pool_size, c.num_kv_heads, c.head_dim,
                              self.dtype, self.device)
         self.decode_kernel = decode_kernel_fits(self.device, self.dtype, c.num_heads,
                                                 c.num_kv_heads, c.head_dim)
+        self.table_log: list[TableWrite] | None = None     # rank 0 under TP: share_table
         torch.manual_seed(args.random_seed)
-        log.info("model %s (%s) on %s/%s, KV pool %d tokens, decode attention on %s",
+        log.info("model %s (%s) on %s/%s, KV pool %d tokens, decode attention on %s%s",
                  resolved.model_path, c.architecture, self.device, self.dtype, self.pool_size,
-                 "zserve's CPU kernel" if self.decode_kernel else "SDPA")
+                 "zserve's CPU kernel" if self.decode_kernel else "SDPA",
+                 f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "")
 
     def _default_pool_size(self, args: ServerArgs) -> int:
-        c = self.config
+        c = self.model.config
         per_token = KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim,
                                             self.dtype)
         if self.device.type == "cuda":
@@ -114,6 +148,31 @@ class ModelRunner:
         # Never more than every running request at full context could use.
         return max(1, min(budget // per_token, args.max_running_requests * self.context_len))
 
+    # ---- tensor parallelism: rank 0's side (tp_worker.py has the followers') ------------
+
+    def share_table(self, req_to_token: ReqToToken) -> None:
+        """Rank 0 under tensor parallelism, once, after building the KVManager and before
+        reporting ready: log the request table's writes into each step's plan, send the
+        followers the pool size and the table's shape (TPInit), and wait until every rank
+        has its table (so ready means every rank is loaded). A no-op on one rank."""
+        if self.tp.size == 1:
+            return
+        if self.tp.rank != 0:
+            raise RuntimeError("share_table is rank 0's; followers run tp_worker.follow")
+        rows, cols = req_to_token.table.shape
+        req_to_token.log = self.table_log = []
+        self.tp.broadcast_bytes(encode(TPInit(pool_size=self.pool_size, table_rows=rows,
+                                              table_cols=cols)))
+        self.tp.barrier()
+
+    def stop_followers(self) -> None:
+        """Rank 0: let the followers leave their loop (a plan with `stop` set). Optional: a
+        follower whose rank 0 is gone fails in its next collective anyway."""
+        if self.tp.size > 1 and self.table_log is not None:
+            self.tp.broadcast_bytes(encode(_empty_plan(stop=True)))
+
+    # ---- one step -----------------------------------------------------------------------
+
     @torch.inference_mode()
     def forward(self, segments: list[Segment],
                 req_to_token: torch.Tensor) -> list[int | Exception]:
@@ -123,12 +182,27 @@ class ModelRunner:
         already be in each req.slots and in row req.row of `req_to_token` (KVManager's
         request table, on the runner's device). Logprobs, when requested, are appended to
         req.pending_logprobs / req.input_logprobs."""
+        plan, scored = self.plan(segments)
+        if self.tp.size == 1:
+            logits = self.execute(plan, req_to_token, self._scorer(scored))
+        else:
+            logits = self._execute_shared(plan, req_to_token, scored)
+        if logits is None:
+            return []
+        return sample_isolated(logits, [s.req for s in segments if s.sample], self.eos_ids)
+
+    @staticmethod
+    def plan(segments: list[Segment]) -> tuple[StepPlan, list[tuple[Req, int, int]]]:
+        """The step's StepPlan (its table_writes still empty), and for each of its score
+        ranges (in order) the request and the positions lo..hi-1 whose logits score its
+        prompt tokens lo+1..hi. Reads only the segments."""
         ids: list[int] = []
         positions: list[int] = []
         out_slots: list[int] = []
         decode_rows, decode_lens, prefills = [], [], []
         sample_rows: list[int] = []
-        scored: list[tuple[Req, int, int, int]] = []   # (req, first row, positions lo, hi)
+        score_ranges: list[list[int]] = []
+        scored: list[tuple[Req, int, int]] = []
         for seg in segments:
             req, end = seg.req, seg.start + seg.length
             first_row = len(ids)
@@ -139,29 +213,82 @@ class ModelRunner:
                 decode_rows.append(req.row)
                 decode_lens.append(end)
             else:
-                prefills.append((req.row, seg.start, seg.length))
+                prefills.append([req.row, seg.start, seg.length])
             if seg.sample:
                 sample_rows.append(len(ids) - 1)
             lo, hi = req.input_logprob_positions(seg.start, end)
             if lo < hi:
-                scored.append((req, first_row + lo - seg.start, lo, hi))
-        attn = StepAttention.build(self.cache, req_to_token, out_slots, decode_rows,
-                                   decode_lens, prefills, self.device, self.decode_kernel)
-        hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device),
-                            torch.tensor(positions, dtype=torch.int64, device=self.device),
-                            attn)
-        for req, row, lo, hi in scored:
-            self._score_prompt(req, hidden[row:row + hi - lo], req.token_ids(lo + 1, hi + 1))
-        if not sample_rows:
-            return []
-        logits = self.model.compute_logits(hidden[sample_rows])
-        return sample_isolated(logits, [s.req for s in segments if s.sample], self.eos_ids)
+                score_ranges.append([first_row + lo - seg.start, hi - lo])
+                scored.append((req, lo, hi))
+        plan = StepPlan(ids=ids, positions=positions, out_slots=out_slots,
+                        decode_rows=decode_rows, decode_lens=decode_lens, prefills=prefills,
+                        table_writes=[], score_ranges=score_ranges, sample_rows=sample_rows)
+        return plan, scored
 
-    def _score_prompt(self, req: Req, hidden: torch.Tensor, targets: list[int]) -> None:
-        """Input logprobs: row j's logits score the prompt token that follows it."""
-        lp = token_logprobs(self.model.compute_logits(hidden), targets,
-                            req.logprob.top_logprobs_num)
-        req.input_logprobs.extend(lp)
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, req_to_token: torch.Tensor,
+                score: Callable[[int, torch.Tensor], None] | None = None
+                ) -> torch.Tensor | None:
+        """Run a plan: the model over its tokens, then the logits of each score range
+        (handed to score(i, logits) on rank 0) and of the sampled rows, returned (None
+        where there are none, and on the followers). The same calls in the same order on
+        every rank: each one may be a collective."""
+        attn = StepAttention.build(self.cache, req_to_token, plan.out_slots, plan.decode_rows,
+                                   plan.decode_lens, plan.prefills, self.device,
+                                   self.decode_kernel)
+        hidden = self.model(torch.tensor(plan.ids, dtype=torch.int64, device=self.device),
+                            torch.tensor(plan.positions, dtype=torch.int64, device=self.device),
+                            attn)
+        for i, (row, n) in enumerate(plan.score_ranges):
+            logits = self.model.compute_logits(hidden[row:row + n])
+            if score is not None:
+                score(i, logits)
+        if not plan.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[plan.sample_rows])
+
+    def _scorer(self, scored: list[tuple[Req, int, int]]) -> Callable[[int, torch.Tensor], None]:
+        """score(i, logits) for execute: input logprobs of the i-th score range, where row j's
+        logits score the prompt token that follows it."""
+        def score(i: int, logits: torch.Tensor) -> None:
+            req, lo, hi = scored[i]
+            lp = token_logprobs(logits, req.token_ids(lo + 1, hi + 1),
+                                req.logprob.top_logprobs_num)
+            req.input_logprobs.extend(lp)
+        return score
+
+    def _execute_shared(self, plan: StepPlan, req_to_token: torch.Tensor,
+                        scored: list[tuple[Req, int, int]]) -> torch.Tensor | None:
+        """Rank 0 under tensor parallelism: broadcast the plan (with the table writes since
+        the last one), execute it with the followers. A failure inside is a TPFault (fatal);
+        one in rank 0's own scoring is kept until every collective of the step is done,
+        then raised as on one rank (it ends the step's requests)."""
+        if self.table_log is None:
+            raise RuntimeError("tensor-parallel rank 0 runs a step before share_table")
+        plan.table_writes = list(self.table_log)
+        self.table_log.clear()              # in place: it is the ReqToToken's log too
+        score_error: list[Exception] = []
+        scorer = self._scorer(scored)
+
+        def score(i: int, logits: torch.Tensor) -> None:
+            if not score_error:
+                try:
+                    scorer(i, logits)
+                except Exception as e:          # noqa: BLE001 - raised after the step
+                    score_error.append(e)
+        try:
+            self.tp.broadcast_bytes(encode(plan))
+            logits = self.execute(plan, req_to_token, score)
+        except Exception as e:
+            raise TPFault(f"tensor-parallel step failed on rank 0: {e!r}") from e
+        if score_error:
+            raise score_error[0]
+        return logits
+
+
+def _empty_plan(stop: bool = False) -> StepPlan:
+    return StepPlan(ids=[], positions=[], out_slots=[], decode_rows=[], decode_lens=[],
+                    prefills=[], table_writes=[], score_ranges=[], sample_rows=[], stop=stop)
 
 
 def sample_isolated(logits: torch.Tensor, reqs: list[Req],

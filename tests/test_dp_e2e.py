@@ -1,10 +1,11 @@
 """End to end: --dp-size 2, two scheduler replicas behind the data-parallel controller,
-with each --load-balance-method.
+with each --load-balance-method; the shortest_queue server's replicas are each two
+tensor-parallel ranks (--tp-size 2: four model processes).
 
 40 concurrent greedy requests all succeed and equal transformers' output (where its choice
 is not a near-tie); /server_info lists both replicas, and both served some; once idle each
 replica's KV pool is whole. A flush reaches both replicas. SIGKILL of one replica takes the
-server down non-zero and leaves no process.
+server down non-zero and leaves no process (the one killed is a tensor-parallel follower).
 """
 
 from __future__ import annotations
@@ -26,11 +27,14 @@ MAX_NEW = 8
 VOCAB = 754          # the tiny checkpoints' (tests/model_helpers.py)
 
 
-@pytest.fixture(scope="module", params=["round_robin", "shortest_queue"])
+SERVERS = {"round_robin": (), "shortest_queue": ("--tp-size", "2")}
+
+
+@pytest.fixture(scope="module", params=list(SERVERS))
 def server(request, tiny_model, tmp_path_factory):
     """The shortest_queue server ends in the last test, killed (a launch less)."""
     s = Server(tiny_model("llama"), "--dp-size", "2", "--load-balance-method",
-               request.param, tmpdir=tmp_path_factory.mktemp("dp"))
+               request.param, *SERVERS[request.param], tmpdir=tmp_path_factory.mktemp("dp"))
     s.method = request.param
     try:
         yield s
@@ -84,4 +88,4 @@ def test_flush_reaches_every_replica(server):
 def test_a_killed_replica_takes_the_server_down(server):
     if server.method != "shortest_queue":
         pytest.skip("one kill is enough: the shortest_queue server's")
-    assert_death_takes_the_server_down(server, "scheduler-1", server.log_path.parent)
+    assert_death_takes_the_server_down(server, "scheduler-1-tp1", server.log_path.parent)

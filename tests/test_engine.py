@@ -4,7 +4,9 @@ Greedy output equals transformers' with the radix cache on and off, with prompts
 long prefixes, with chunked prefill forced by a tiny chunk, and with retraction forced by a
 tiny KV pool; cached_tokens is reported; the pool is whole again once idle. One config
 turns our CPU kernels off (ZSERVE_CPU_KERNELS=0), so torch's fallback path is held to the
-same checks.
+same checks. One runs the model over two tensor-parallel ranks (--tp-size 2, with the radix
+cache and small prefill chunks), for llama and qwen3: the same checks, and for llama the
+same ids as the one-rank server.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ CONFIGS = {                                    # name: (flags, environment)
     "no-radix-tiny-chunk": (("--disable-radix-cache", "--chunked-prefill-size", "7"), None),
     "tiny-pool": (("--max-total-tokens", "160", "--chunked-prefill-size", "16"), None),
     "torch-kernels": (("--chunked-prefill-size", "16"), {"ZSERVE_CPU_KERNELS": "0"}),
+    "tp2": (("--tp-size", "2", "--chunked-prefill-size", "16"), None),
 }
+CACHING = ("radix", "tp2")          # the radix cache on, default pool
 
 
 def prompts(seed: int, n: int, prefix_len: int = 48) -> list[list[int]]:
@@ -50,7 +54,7 @@ def check(model_dir, prompt: list[int], out: dict, max_new: int = MAX_NEW) -> No
 # the configurations exercise the scheduler, the families the model file, and each
 # server launch costs seconds.
 SERVERS = [("llama", config) for config in CONFIGS] + \
-    [(family, "radix") for family in FAMILIES if family != "llama"]
+    [(family, "radix") for family in FAMILIES if family != "llama"] + [("qwen3", "tp2")]
 
 
 @pytest.fixture(scope="module", params=SERVERS, ids=[f"{f}-{c}" for f, c in SERVERS])
@@ -61,13 +65,12 @@ def server(request, tiny_model, tmp_path_factory):
         pytest.skip("no CPU kernels on this machine: every configuration runs torch's path")
     if (family, config) == ("llama", "radix"):          # default flags: the shared server
         s = request.getfixturevalue("llama_server")
-        s.config, s.model_dir = config, tiny_model(family)
+        s.config, s.model_dir, s.family = config, tiny_model(family), family
         yield s
         return
     with serving(tiny_model(family), *flags, tmpdir=tmp_path_factory.mktemp("srv"),
                  env=env) as s:
-        s.config = config
-        s.model_dir = tiny_model(family)
+        s.config, s.model_dir, s.family = config, tiny_model(family), family
         yield s
 
 
@@ -83,7 +86,7 @@ def test_shared_prefixes_concurrently_match_transformers(server):
     info = wait_idle(server)
     pool_ = info["kv_pool"]
     assert pool_["free"] + pool_["evictable"] == pool_["total"], pool_
-    if server.config == "radix":
+    if server.config in CACHING:
         assert max(o["meta_info"]["cached_tokens"] for o in outs) >= 48
 
 
@@ -160,3 +163,18 @@ def test_request_that_can_never_fit_is_a_400(server):
     assert r.status_code == 400, r.text
     assert "KV slots" in r.json()["error"]["message"]
     assert server.generate_ok(input_ids=[5, 6], sampling_params={"max_new_tokens": 2})
+
+
+def test_tensor_parallel_ranks_give_the_one_rank_ids(server, request):
+    """Row-parallel sums change float rounding only: where transformers' choice is clear,
+    two ranks and one rank (the shared llama server) pick the same ids."""
+    if (server.family, server.config) != ("llama", "tp2"):
+        pytest.skip("the llama tensor-parallel server only")
+    one_rank = request.getfixturevalue("llama_server")
+    ps = prompts(6, 4, prefix_len=30)
+    ours = server.generate_ok(input_ids=ps, sampling_params=GREEDY)
+    theirs = one_rank.generate_ok(input_ids=ps, sampling_params=GREEDY)
+    for p, a, b in zip(ps, ours, theirs):
+        ref_ids, margins = greedy_reference(server.model_dir, p, MAX_NEW)
+        assert_greedy_match(a["output_ids"], b["output_ids"], margins)
+    wait_idle(one_rank)

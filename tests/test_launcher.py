@@ -54,11 +54,16 @@ def broken_models(root, tiny):
             "bad_range": (["--model-path", str(tiny), "--max-running-requests", "0"],
                           "--max-running-requests must be positive"),
             "context": (["--model-path", str(tiny), "--context-length", "100000"],
-                        "longer than the model's max_position_embeddings (512)")}
+                        "longer than the model's max_position_embeddings (512)"),
+            "tp_size": (["--model-path", str(tiny), "--tp-size", "5"],
+                        "--tp-size 5: the model has only 4 attention heads to split"),
+            "node_mismatch": (["--model-path", str(tiny), "--nnodes", "2", "--tp-size", "3",
+                               "--dist-init-addr", "127.0.0.1:1"],
+                              "--tp-size (3) must be a multiple of --nnodes (2)")}
 
 
 CASES = ["missing", "no_config", "no_weights", "architecture", "bad_value", "bad_range",
-         "context"]
+         "context", "tp_size", "node_mismatch"]
 
 
 @pytest.mark.parametrize("case", CASES)

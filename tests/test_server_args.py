@@ -63,7 +63,16 @@ def test_flag_types_come_from_type_objects():
                                   ["--mem-fraction-static", "1.5"],
                                   ["--tokenizer-worker-num", "0"],
                                   ["--tokenizer-worker-num", "-2"],
-                                  ["--tokenizer-worker-num", "1.5"]])
+                                  ["--tokenizer-worker-num", "1.5"],
+                                  ["--dp-size", "0"], ["--tp-size", "0"],
+                                  ["--api-server-count", "0"],
+                                  ["--load-balance-method", "random"],
+                                  ["--node-rank", "2", "--nnodes", "2"],
+                                  ["--nnodes", "2", "--tp-size", "2"],
+                                  ["--nnodes", "2", "--tp-size", "2",
+                                   "--dist-init-addr", "nohost"],
+                                  ["--nnodes", "2", "--tp-size", "2", "--dp-size", "2",
+                                   "--dist-init-addr", "h:1"]])
 def test_bad_values_are_refused(argv, capsys):
     with pytest.raises(SystemExit) as e:
         parse(*argv)

@@ -107,6 +107,19 @@ SAMPLES: dict[type, list] = {
     m.PeerAbortReply: [m.PeerAbortReply(req_id="p", count=0)],
     m.ApiControl: [m.ApiControl(kind="lost", message="The scheduler died."),
                    m.ApiControl(kind="drain")],
+    m.TPInit: [m.TPInit(pool_size=32768, table_rows=64, table_cols=512)],
+    m.StepPlan: [
+        m.StepPlan(ids=[1, 2, 3], positions=[0, 1, 2], out_slots=[7, 8, 9], decode_rows=[],
+                   decode_lens=[], prefills=[[0, 0, 3]],
+                   table_writes=[m.TableWrite(row=0, start=0, slots=[7, 8, 9])],
+                   score_ranges=[[0, 2]], sample_rows=[2]),
+        m.StepPlan(ids=[], positions=[], out_slots=[], decode_rows=[], decode_lens=[],
+                   prefills=[], table_writes=[], score_ranges=[], sample_rows=[], stop=True),
+    ],
+    m.NodeHello: [m.NodeHello(node_rank=1, nnodes=2, tp_size=4, dtype="float32",
+                              context_length=2048, model="LlamaForCausalLM 135M", version="x")],
+    m.NodeReply: [m.NodeReply(ok=False, message=UNICODE)],
+    m.NodeBye: [m.NodeBye(reason="")],
     m.ReplicaStatus: [m.ReplicaStatus(load=LOAD, received=12),
                       m.ReplicaStatus(load=m.SchedulerLoad(replica=3, queued_tokens=80,
                                                            running_tokens=1000), received=0)],
@@ -146,7 +159,8 @@ def test_tags_are_pinned_and_unique():
     assert {cls.__name__: tag for cls, tag in TAGS.items()} == {
         "GenerateRequest": 1, "AbortRequest": 2, "TokenizedRequest": 3, "ReleaseRequest": 4,
         "TokenBatch": 5, "TextBatch": 6, "FlushCacheRequest": 7, "ControlReply": 8,
-        "ReplicaStatus": 9, "PeerAbort": 10, "PeerAbortReply": 11, "ApiControl": 12}
+        "ReplicaStatus": 9, "PeerAbort": 10, "PeerAbortReply": 11, "ApiControl": 12,
+        "TPInit": 13, "StepPlan": 14, "NodeHello": 15, "NodeReply": 16, "NodeBye": 17}
 
 
 @pytest.mark.parametrize("msg", ALL_SAMPLES, ids=lambda msg: type(msg).__name__)
@@ -460,6 +474,8 @@ RECEIVERS = {
     codec.DETOKENIZER_INBOX: {m.TokenBatch},
     codec.API_INBOX: {m.TextBatch, m.ControlReply, m.PeerAbort, m.PeerAbortReply,
                       m.ApiControl},
+    codec.NODE_LINK: {m.NodeHello, m.NodeReply, m.NodeBye},
+    codec.TP_FOLLOWER: {m.TPInit, m.StepPlan},
     codec.DP_CONTROLLER_INBOX: {m.TokenizedRequest, m.AbortRequest, m.FlushCacheRequest,
                                 m.ReleaseRequest, m.ReplicaStatus, m.ControlReply},
 }

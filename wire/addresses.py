@@ -12,6 +12,10 @@ further workers of a kind are "api-1", "tokenizer-1", ... (worker_title).
 | scheduler | the scheduler, or with --dp-size > 1 the DP controller | tokenizers, the detokenizer (releases), replicas (status, replies) |
 | replicas[r] | replica r's scheduler (--dp-size > 1; else replicas == (scheduler,)) | the DP controller |
 | detokenizer | the detokenizer | every replica's scheduler |
+
+`dist[r]` is not a ZeroMQ address: it is where replica r's tensor-parallel ranks meet
+(torch.distributed's init_method): a file store in the ipc directory on one node, or
+--dist-init-addr's tcp://HOST:PORT across nodes.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ class Addresses:
     scheduler: str              # the pipeline's entry to the scheduler side
     replicas: tuple[str, ...]   # one per scheduler replica
     detokenizer: str
+    dist: tuple[str, ...]       # one per replica: its ranks' rendezvous (module docstring)
 
     @classmethod
-    def create(cls, tokenizer_workers: int = 1, api_servers: int = 1,
-               dp_size: int = 1) -> "Addresses":
+    def create(cls, tokenizer_workers: int = 1, api_servers: int = 1, dp_size: int = 1,
+               dist_init: tuple[str, int] | None = None) -> "Addresses":
+        """dist_init: node 0's (host, port) when the ranks span several nodes."""
         ipc_dir = tempfile.mkdtemp(prefix="zserve-")   # mkdtemp creates it with mode 0700
         os.chmod(ipc_dir, 0o700)
 
@@ -45,9 +51,15 @@ class Addresses:
         scheduler = ipc("scheduler")
         replicas = (scheduler,) if dp_size == 1 else \
             tuple(ipc(f"replica-{r}") for r in range(dp_size))
+        if dist_init is None:
+            dist = tuple(f"file://{os.path.join(ipc_dir, f'dist-{r}')}"
+                         for r in range(dp_size))
+        else:
+            host, port = dist_init
+            dist = (f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}",)
         return cls(ipc_dir=ipc_dir, api=ipcs("api", api_servers),
                    tokenizer=ipcs("tokenizer", tokenizer_workers), scheduler=scheduler,
-                   replicas=replicas, detokenizer=ipc("detokenizer"))
+                   replicas=replicas, detokenizer=ipc("detokenizer"), dist=dist)
 
     @property
     def data_parallel(self) -> bool:

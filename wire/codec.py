@@ -148,6 +148,8 @@ SCHEDULER_INBOX = InboxDecoder("scheduler", m.SchedulerInbox)
 DETOKENIZER_INBOX = InboxDecoder("detokenizer", m.DetokenizerInbox)
 API_INBOX = InboxDecoder("api", m.ApiInbox)
 DP_CONTROLLER_INBOX = InboxDecoder("dp-controller", m.DpControllerInbox)
+NODE_LINK = InboxDecoder("node-link", m.NodeLinkInbox)     # a TCP link, not ZeroMQ
+TP_FOLLOWER = InboxDecoder("tp", m.TpFollowerInbox)    # a broadcast, not a socket
 ANY_MESSAGE = InboxDecoder("any", m.Message)      # tests and tools; no process binds this
 
 

@@ -201,6 +201,46 @@ class ControlReply(WireStruct, tag=8):
     api: int = 0
 
 
+# ---- tp rank 0 -> tp followers ---------------------------------------------------------------
+# Not a ZeroMQ socket: rank 0 broadcasts these frames to the other tensor-parallel ranks of
+# its replica through torch.distributed (scheduler_proc/tp.py broadcast_bytes). Only rank 0
+# runs the scheduler; a follower needs only what its forward reads (scheduler_proc/runner.py).
+
+class TableWrite(WireStruct):
+    """Request-table entries rank 0 wrote: table[row, start:start + len(slots)] = slots."""
+
+    row: int
+    start: int
+    slots: list[int]
+
+
+class TPInit(WireStruct, tag=13):
+    """Once, before the replica reports ready: the agreed KV pool size (the smallest any
+    rank can hold) and the shape of the request table the followers mirror."""
+
+    pool_size: int
+    table_rows: int
+    table_cols: int
+
+
+class StepPlan(WireStruct, tag=14):
+    """One forward step, as every rank executes it. The step's tokens are [decode rows...,
+    prefill segments...]; `prefills` holds (table row, start, length) per segment;
+    `score_ranges` (first token row, count) per input-logprob logits call, in order, then
+    one logits call for `sample_rows` unless it is empty. `stop`: leave the follower loop."""
+
+    ids: list[int]
+    positions: list[int]
+    out_slots: list[int]
+    decode_rows: list[int]
+    decode_lens: list[int]
+    prefills: list[list[int]]
+    table_writes: list[TableWrite]
+    score_ranges: list[list[int]]
+    sample_rows: list[int]
+    stop: bool = False
+
+
 # ---- scheduler replica -> data-parallel controller (--dp-size > 1) --------------------------
 
 class ReplicaStatus(WireStruct, tag=9):
@@ -263,6 +303,35 @@ class ApiControl(WireStruct, tag=12):
     message: str = ""
 
 
+# ---- node r's launcher <-> node 0's launcher (--nnodes > 1): the node link ------------------
+# Not ZeroMQ: one TCP connection per node, frames with a length prefix (wire/node_link.py).
+
+class NodeHello(WireStruct, tag=15):
+    """Node r's first frame: what both nodes must agree on to run one model together."""
+
+    node_rank: int
+    nnodes: int
+    tp_size: int
+    dtype: str
+    context_length: int
+    model: str                          # the model's facts: architecture, size, vocabulary
+    version: str
+
+
+class NodeReply(WireStruct, tag=16):
+    """Node 0's answer to a NodeHello: ok, or why not (the two nodes' settings differ)."""
+
+    ok: bool
+    message: str
+
+
+class NodeBye(WireStruct, tag=17):
+    """Node 0 shuts down on purpose: stop your ranks and exit 0 (a link that closes
+    without this means node 0 died: exit 1)."""
+
+    reason: str
+
+
 # ---- who receives what ------------------------------------------------------------------------
 # One union per inbox (the PULL socket its process binds). Each process decodes with its
 # inbox's decoder (wire/codec.py), so a message sent to the wrong process is a DecodeError.
@@ -272,10 +341,13 @@ SchedulerInbox = (TokenizedRequest | AbortRequest | FlushCacheRequest           
                   | ReleaseRequest)                                                 # detokenizer
 DpControllerInbox = (SchedulerInbox                              # in the scheduler's place
                      | ReplicaStatus | ControlReply)             # from the replicas
+NodeLinkInbox = NodeHello | NodeReply | NodeBye             # launchers, over the node link
 DetokenizerInbox = TokenBatch                                                       # scheduler
 ApiInbox = (TextBatch | ControlReply      # detokenizer and tokenizer (rejects); scheduler
             | PeerAbort | PeerAbortReply | ApiControl)      # other API processes; launcher
+TpFollowerInbox = TPInit | StepPlan     # tp rank 0, by torch.distributed broadcast (not a socket)
 
 Message = (GenerateRequest | AbortRequest | TokenizedRequest | ReleaseRequest | TokenBatch
            | TextBatch | FlushCacheRequest | ControlReply | ReplicaStatus
-           | PeerAbort | PeerAbortReply | ApiControl)                        # every tag
+           | PeerAbort | PeerAbortReply | ApiControl | NodeHello | NodeReply | NodeBye
+           | TPInit | StepPlan)                                                 # every tag

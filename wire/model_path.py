@@ -136,6 +136,7 @@ class ModelFacts:
     vocab_size: int                 # rows of the embedding: the ids the model can take or emit
     num_params: int
     random_weights: bool            # one of our tiny test checkpoints
+    num_attention_heads: int = 0    # what --tp-size may split (0: not known, not checked)
 
 
 def model_facts(path: str) -> ModelFacts:
@@ -148,7 +149,8 @@ def model_facts(path: str) -> ModelFacts:
         return ModelFacts(arch, int(config.get("max_position_embeddings", 2048)),
                           config.get("sliding_window") if arch == "MistralForCausalLM" else None,
                           int(config["vocab_size"]), _num_params(config),
-                          (Path(path) / RANDOM_WEIGHTS_MARKER).exists())
+                          (Path(path) / RANDOM_WEIGHTS_MARKER).exists(),
+                          int(config["num_attention_heads"]))
     except KeyError as e:
         raise StartupError(f"--model-path {path}: config.json has no {e.args[0]}") from None
     except (TypeError, ValueError) as e:

@@ -5,7 +5,8 @@ This module owns everything zserve knows about a `.gguf` file:
     path = find_gguf(model_path)          # the .gguf behind a file / directory / sidecar, or None
     header = read_header(path)            # metadata + tensor table (no tensor data read)
     cfg = config_dict(header)             # what config.json would say: ModelConfig.from_dict(cfg)
-    load_weights(header, config, params)  # dequantize every tensor into our parameters (loader.py)
+    load_weights(header, config, params)  # dequantize every tensor into our parameters (loader.py;
+                                          # under tensor parallelism, this rank's part of it)
     sidecar = materialize(path)           # config + tokenizer files as an HF directory, cached
 
 Architectures: general.architecture "llama" (Llama, and Mistral, which llama.cpp converts
@@ -346,13 +347,33 @@ def generation_dict(header: GGUFHeader) -> dict:
 # Weights
 
 
-def parameter_targets(config) -> dict[str, tuple[str, slice]]:
-    """GGUF tensor name -> (our parameter name, the rows of it that tensor fills)."""
-    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
-    targets = {"token_embd.weight": ("embed_tokens.weight", slice(None)),
-               "output_norm.weight": ("norm.weight", slice(None))}
+# GGUF tensor part -> the HF module it stands for (what models/tp.py's Shard.select names).
+HF_PARTS = {"token_embd": "embed_tokens", "output": "lm_head", "attn_q": "q_proj",
+            "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
+            "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+# Under tensor parallelism a row-parallel layer's bias is a parameter of its own (llama.py).
+ROW_BIAS_PARAMS = {"self_attn.o_proj.bias": "self_attn.o_bias",
+                   "mlp.down_proj.bias": "mlp.down_bias"}
+
+
+def parameter_targets(config, shard=None) -> dict[str, tuple]:
+    """GGUF tensor name -> (our parameter name, the rows of it that tensor fills, the part
+    of the tensor this rank takes: a models/tp.py Selection, None for all of it). config:
+    the whole model's; under tensor parallelism (`shard`) the rows are of this rank's
+    parameters."""
+    local = config if shard is None else shard.config
+    q, kv, inter = local.q_size, local.kv_size, local.intermediate_size
+    vocab_rows = slice(None) if shard is None else slice(0, shard.real_vocab_rows)
+
+    def select(gguf_part: str, kind: str):
+        hf = HF_PARTS.get(gguf_part)
+        return None if shard is None or hf is None else shard.select(hf, kind)
+
+    targets = {"token_embd.weight": ("embed_tokens.weight", vocab_rows,
+                                     select("token_embd", "weight")),
+               "output_norm.weight": ("norm.weight", slice(None), None)}
     if not config.tie_word_embeddings:
-        targets["output.weight"] = ("lm_head.weight", slice(None))
+        targets["output.weight"] = ("lm_head.weight", vocab_rows, select("output", "weight"))
     kinds = ("weight", "bias")
     for i in range(config.num_layers):
         blk, ours = f"blk.{i}.", f"layers.{i}."
@@ -371,20 +392,25 @@ def parameter_targets(config) -> dict[str, tuple[str, slice]]:
         }
         for gguf_part, (module, rows, allowed) in parts.items():
             for kind in allowed:
-                targets[f"{blk}{gguf_part}.{kind}"] = (f"{ours}{module}.{kind}",
-                                                       rows or slice(None))
+                param = f"{module}.{kind}"
+                if shard is not None:
+                    param = ROW_BIAS_PARAMS.get(param, param)
+                targets[f"{blk}{gguf_part}.{kind}"] = (f"{ours}{param}", rows or slice(None),
+                                                       select(gguf_part, kind))
     return targets
 
 
-def load_weights(header: GGUFHeader, config,
-                 params: dict[str, torch.Tensor]) -> torch.Tensor | None:
+def load_weights(header: GGUFHeader, config, params: dict[str, torch.Tensor],
+                 shard=None) -> torch.Tensor | None:
     """Dequantize every tensor of the file into its rows of `params` (allocated, any dtype
     and device). Returns the rope_freqs tensor (float32) if the file has one, else None.
-    Raises ValueError naming missing / unexpected / mistyped tensors before reading any."""
+    Raises ValueError naming missing / unexpected / mistyped tensors before reading any.
+    config: the whole model's. shard (models/tp.py): under tensor parallelism, each tensor
+    is dequantized whole, un-permuted per head, then cut to this rank's part."""
     from tqdm import tqdm
 
     name = header.path.name
-    targets = {k: v for k, v in parameter_targets(config).items() if v[0] in params}
+    targets = {k: v for k, v in parameter_targets(config, shard).items() if v[0] in params}
     extra = {"rope_freqs.weight"} if config.family in ("llama", "mistral") else set()
     unexpected = sorted(set(header.tensors) - set(targets) - extra)
     missing = sorted(set(targets) - set(header.tensors))
@@ -397,8 +423,10 @@ def load_weights(header: GGUFHeader, config,
         raise ValueError(f"{name}: rope_freqs.weight has shape "
                          f"{header.tensors['rope_freqs.weight'].shape}, expected "
                          f"({config.head_dim // 2},)")
-    for key, (param, rows) in targets.items():
+    for key, (param, rows, sel) in targets.items():
         want = tuple(params[param][rows].shape)
+        if sel is not None:
+            want = sel.full_shape(want)
         if header.tensors[key].shape != want:
             raise ValueError(f"{name}: {key} has shape {header.tensors[key].shape}, expected "
                              f"{want} for {config.architecture}")
@@ -414,14 +442,16 @@ def load_weights(header: GGUFHeader, config,
 
     def load_one(key: str) -> int:
         info = header.tensors[key]
-        param, rows = targets[key]
+        param, rows, sel = targets[key]
         values = header.dequantize(info)
         src = torch.from_numpy(values if values.flags.writeable else values.copy())
         dst = params[param][rows]
-        if key in unpermute:
+        if key in unpermute:        # by the whole model's heads: before any cut
             h, d = unpermute[key], config.head_dim
             rest = tuple(src.shape[1:])
             src = src.reshape(h, d // 2, 2, *rest).transpose(1, 2).reshape(src.shape)
+        if sel is not None:
+            src = sel.take(src)
         dst.copy_(src)
         return info.nbytes
 

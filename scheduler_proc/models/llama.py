@@ -12,6 +12,11 @@ token, so the batch layout never matters to this file.
 The families differ only in config flags (see ModelConfig): qkv/o/mlp biases, Qwen3's
 per-head q/k RMSNorm, tied embeddings and the RoPE frequencies. q/k/v and gate/up are fused
 into one matmul each; the loader fills the fused weights from the checkpoint's parts.
+Tensor parallelism (`tp`, a group of scheduler_proc/tp.py with size > 1): the module is built
+with this rank's share of the heads, MLP columns and vocabulary (models/tp.py: Shard), and
+three hooks join the ranks: the embedding and the two row-parallel projections (o_proj,
+down_proj) all-reduce, and compute_logits gathers the vocabulary to rank 0. Each hook sits
+behind `tp is not None`, so one rank runs exactly the code it ran before.
 Numerics follow transformers' modeling_llama (RMSNorm in float32, RoPE tables cast to the
 model dtype, logits in the model dtype then float32), so greedy outputs match it. The
 elementwise ops live in ops.py (torch, or our C kernels on CPU); each layer adds its
@@ -27,8 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from scheduler_proc.tp import SOLO
+
 from .config import ModelConfig
 from .ops import Rotary, rms_norm, rope_, silu_and_mul
+from .tp import Shard
 
 
 class AttentionBackend(Protocol):
@@ -76,15 +84,22 @@ def rope_cos_sin(config: ModelConfig, device: torch.device | str | None = None) 
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, layer_id: int, tp=None):
+        """config: this rank's (its heads only); tp: the group under tensor parallelism,
+        else None."""
         super().__init__()
         self.layer_id = layer_id
+        self.tp = tp
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        # Row-parallel under TP: the bias is added once, after the ranks' sums are joined.
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size,
+                                bias=config.o_bias and tp is None)
+        self.o_bias = (nn.Parameter(torch.empty(config.hidden_size))
+                       if config.o_bias and tp is not None else None)
         # Qwen3 normalizes each head of q and k (over head_dim) before RoPE; others don't.
         self.qk_norm = config.qk_norm
         if self.qk_norm:
@@ -104,28 +119,45 @@ class SelfAttention(nn.Module):
                        rotary)
             q, k = qk[:, :heads], qk[:, heads:]
         o = attn(self.layer_id, q, k, v)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        o = self.o_proj(o.reshape(-1, self.q_size))
+        if self.tp is not None:
+            o = _join_row_parallel(self.tp, o, self.o_bias)
+        return o
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp=None):
         super().__init__()
+        self.tp = tp
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
                                       bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size,
-                                   bias=config.mlp_bias)
+                                   bias=config.mlp_bias and tp is None)
+        self.down_bias = (nn.Parameter(torch.empty(config.hidden_size))
+                          if config.mlp_bias and tp is not None else None)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        if self.tp is not None:
+            out = _join_row_parallel(self.tp, out, self.down_bias)
+        return out
+
+
+def _join_row_parallel(tp, partial: Tensor, bias: Tensor | None) -> Tensor:
+    """A row-parallel layer's output: the ranks' partial sums summed, then the bias once."""
+    out = tp.all_reduce_(partial)
+    if bias is not None:
+        out += bias
+    return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, layer_id: int, tp=None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(config, layer_id)
+        self.self_attn = SelfAttention(config, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(self, x: Tensor, residual: Tensor | None, rotary: Rotary,
                 attn: AttentionBackend) -> tuple[Tensor, Tensor]:
@@ -142,13 +174,23 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     """Parameter names are HF's minus the `model.` prefix, with q/k/v fused into
-    `self_attn.qkv_proj` and gate/up into `mlp.gate_up_proj` (see loader.py)."""
+    `self_attn.qkv_proj` and gate/up into `mlp.gate_up_proj` (see loader.py); under tensor
+    parallelism the row-parallel biases are `self_attn.o_bias` and `mlp.down_bias`.
 
-    def __init__(self, config: ModelConfig):
+    `config` is the whole model's; `self.config` is what this rank holds (its heads, MLP
+    columns and vocabulary block: the KV cache is sized from it), `self.vocab_size` the
+    whole vocabulary, `self.shard` the Shard (None on one rank)."""
+
+    def __init__(self, config: ModelConfig, tp=SOLO):
         super().__init__()
+        self.tp = tp if tp.size > 1 else None
+        self.shard = Shard.of(config, tp.size, tp.rank) if self.tp is not None else None
+        self.vocab_size = config.vocab_size
+        config = self.shard.config if self.shard is not None else config
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.tp)
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
@@ -159,16 +201,35 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         """input_ids, positions: [N] -> [N, hidden], the residual stream after the last layer
         (compute_logits applies the final norm, only to the rows that need logits)."""
-        x, residual = self.embed_tokens(input_ids), None
+        x = (self.embed_tokens(input_ids) if self.tp is None
+             else self._embed_sharded(input_ids))
+        residual = None
         rotary = Rotary(self.cos_sin, positions)
         for layer in self.layers:
             x, residual = layer(x, residual, rotary, attn)
         return x + residual
 
+    def _embed_sharded(self, input_ids: Tensor) -> Tensor:
+        """Vocab-parallel embedding: this rank's rows for the ids in its block, 0 for the
+        others, summed over the ranks (exactly one rank contributes each row)."""
+        lo, hi = self.shard.vocab
+        local = input_ids - lo
+        outside = (local < 0) | (local >= hi - lo)
+        x = self.embed_tokens(local.clamp(0, self.shard.vocab_rows - 1))
+        x.masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce_(x)
+
     @torch.inference_mode()
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden: [M, hidden] rows of forward's output -> [M, vocab] float32 logits."""
+    def compute_logits(self, hidden: Tensor) -> Tensor | None:
+        """hidden: [M, hidden] rows of forward's output -> [M, vocab] float32 logits. Under
+        tensor parallelism every rank must call it (it gathers the vocabulary blocks):
+        rank 0 gets the logits, the others None."""
         x = self.norm(hidden)
         if self.lm_head is None:                       # tied embeddings
-            return F.linear(x, self.embed_tokens.weight).float()
-        return self.lm_head(x).float()
+            logits = F.linear(x, self.embed_tokens.weight)
+        else:
+            logits = self.lm_head(x)
+        if self.tp is None:
+            return logits.float()
+        logits = self.tp.gather_vocab(logits)
+        return None if logits is None else logits[:, :self.vocab_size].float()

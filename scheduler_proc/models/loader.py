@@ -7,6 +7,12 @@ it, so fusing q/k/v and gate/up costs no extra copy and peak host memory stays o
 Any checkpoint tensor we cannot place, or parameter left unfilled, is an error listing them.
 A GGUF file (or a directory holding one, or its sidecar from gguf.materialize) is read by
 gguf.py: config from its metadata, each tensor dequantized into the same parameters.
+
+Tensor parallelism (`tp` with size > 1): the module is built with this rank's config
+(models/tp.py: Shard) and each checkpoint tensor contributes only this rank's rows or
+columns (`Shard.select`): safetensors reads just that slice, a GGUF tensor is dequantized
+whole and then cut. The full tensor's shape is still checked against the whole model's.
+The vocabulary block's padding rows (last rank) are zero.
 """
 
 from __future__ import annotations
@@ -23,22 +29,31 @@ from torch import nn
 from .config import ModelConfig
 from .llama import CausalLM
 from scheduler_proc import kernels
+from scheduler_proc.tp import SOLO
 from .cpu_linear import CpuLinear
 from .packed import PackedLinear, can_pack
+from .tp import VOCAB_PARTS, Selection, Shard
 
 # Our fused projection -> its checkpoint parts, stacked in this order along the output dim.
 _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
+# Under tensor parallelism, our parameter for a row-parallel layer's bias -> its HF module.
+ROW_BIASES = {"self_attn.o_bias": "self_attn.o_proj", "mlp.down_bias": "mlp.down_proj"}
+
+# A checkpoint tensor's destination: our parameter, the rows of it the tensor fills, and
+# which part of the tensor this rank takes (None: all of it).
+Target = tuple[str, slice, Selection | None]
 
 
 def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.device,
-               pack: bool | None = None) -> CausalLM:
+               pack: bool | None = None, tp=SOLO) -> CausalLM:
     """model_path: an HF directory (config.json + *.safetensors), a .gguf file, a directory
     holding exactly one .gguf (and no config.json), or a GGUF sidecar directory.
     pack: lay the linear weights out for a CPU kernel (cpu_linear.py, else oneDNN's:
-    packed.py); None: wherever one is available; False: keep plain nn.Linear."""
+    packed.py); None: wherever one is available; False: keep plain nn.Linear.
+    tp: the tensor-parallel group (scheduler_proc/tp.py): load only this rank's share."""
     from . import gguf
 
     gguf_path = gguf.find_gguf(model_path)
@@ -48,14 +63,16 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.d
     else:
         config = ModelConfig.from_dir(model_path)
     with torch.device("meta"), _skip_init():
-        model = CausalLM(config)
+        model = CausalLM(config, tp)
     params = {name: torch.empty(p.shape, dtype=dtype, device=device)
               for name, p in model.named_parameters()}
     rope_freqs = None
     if header is not None:
-        rope_freqs = gguf.load_weights(header, config, params)
+        rope_freqs = gguf.load_weights(header, config, params, model.shard)
     else:
-        _load_safetensors(Path(model_path), config, params)
+        _load_safetensors(Path(model_path), config, params, model.shard)
+    if model.shard is not None:
+        _zero_vocab_padding(params, model.shard)
 
     model.load_state_dict(params, strict=True, assign=True)
     if rope_freqs is not None:          # a GGUF's Llama 3 rope scaling, as llama.cpp applies it
@@ -67,8 +84,8 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.d
         raise ValueError(f"no packed CPU linear layer for {dtype} on {device}")
     if layer is not None:
         if model.lm_head is None:           # tied: the head gets its own (packed) copy
-            model.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
-                                      device=device, dtype=dtype)
+            rows, hidden = model.embed_tokens.weight.shape     # this rank's vocabulary block
+            model.lm_head = nn.Linear(hidden, rows, bias=False, device=device, dtype=dtype)
             model.lm_head.weight.data = model.embed_tokens.weight.data
         _replace_linears(model, layer)
     return model
@@ -89,10 +106,20 @@ def _skip_init():
             setattr(nn.init, name, fn)
 
 
-def _load_safetensors(model_dir: Path, config: ModelConfig,
-                      params: dict[str, torch.Tensor]) -> None:
-    """Copy every tensor of the directory's safetensors files into its rows of params."""
-    targets = _checkpoint_targets(config, params)
+def _zero_vocab_padding(params: dict[str, torch.Tensor], shard: Shard) -> None:
+    """The rows of the last vocabulary block past the real vocabulary: no checkpoint fills
+    them and nothing they give reaches an output (the embedding masks them, the logits are
+    trimmed), but the matmuls still read them: zeros, not uninitialized memory."""
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        if name in params:
+            params[name][shard.real_vocab_rows:].zero_()
+
+
+def _load_safetensors(model_dir: Path, config: ModelConfig, params: dict[str, torch.Tensor],
+                      shard: Shard | None = None) -> None:
+    """Copy every tensor of the directory's safetensors files (this rank's part of each,
+    under tensor parallelism) into its rows of params."""
+    targets = _checkpoint_targets(shard.config if shard is not None else config, params, shard)
     filled, unexpected = set(), []
     for path in _safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -104,12 +131,14 @@ def _load_safetensors(model_dir: Path, config: ModelConfig,
                 if key not in targets:
                     unexpected.append(key)
                     continue
-                name, rows = targets[key]
+                name, rows, sel = targets[key]
                 dst, src = params[name][rows], f.get_slice(key)
-                if tuple(dst.shape) != tuple(src.get_shape()):
+                want = tuple(dst.shape) if sel is None else sel.full_shape(tuple(dst.shape))
+                if want != tuple(src.get_shape()):
                     raise ValueError(f"{path.name}: {key} has shape {tuple(src.get_shape())}, "
-                                     f"expected {tuple(dst.shape)} for {config.architecture}")
-                dst.copy_(f.get_tensor(key))                    # casts to dtype, moves to device
+                                     f"expected {want} for {config.architecture}")
+                # copy_ casts to the dtype and moves to the device
+                dst.copy_(f.get_tensor(key) if sel is None else _read_selection(src, sel))
                 filled.add(key)
     missing = sorted(targets.keys() - filled)
     if missing or unexpected:
@@ -135,23 +164,46 @@ def _replace_linears(model: nn.Module, layer: type[nn.Module]) -> None:
             _replace_linears(child, layer)
 
 
-def _checkpoint_targets(config: ModelConfig,
-                        params: dict[str, torch.Tensor]) -> dict[str, tuple[str, slice]]:
-    """Checkpoint tensor name -> (our parameter name, the rows of it that tensor fills)."""
+def _read_selection(src, sel: Selection) -> torch.Tensor:
+    """Part of a safetensors tensor (a get_slice handle): a slice reads only its bytes; a
+    list of rows (kv heads expanded on an uneven split; small) reads the whole tensor."""
+    if not isinstance(sel.index, slice):
+        return sel.take(src[:])
+    return src[sel.index] if sel.dim == 0 else src[:, sel.index]
+
+
+def _checkpoint_targets(config: ModelConfig, params: dict[str, torch.Tensor],
+                        shard: Shard | None = None) -> dict[str, Target]:
+    """Checkpoint tensor name -> (our parameter name, the rows of it that tensor fills, the
+    part of the tensor this rank takes). config: the one the module was built with (this
+    rank's under tensor parallelism)."""
     part_rows = {"q_proj": config.q_size, "k_proj": config.kv_size, "v_proj": config.kv_size,
                  "gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
     targets = {}
+
+    def select(part: str, kind: str) -> Selection | None:
+        return None if shard is None else shard.select(part.rsplit(".", 1)[-1], kind)
+
     for name in params:
         module, kind = name.rsplit(".", 1)                      # kind: "weight" | "bias"
         hf_module = module if module == "lm_head" else f"model.{module}"
+        row_bias = next((b for b in ROW_BIASES if name.endswith(b)), None)
+        if row_bias is not None:                                # replicated, added once
+            hf_module = f"model.{name[: -len(row_bias)]}{ROW_BIASES[row_bias]}"
+            targets[f"{hf_module}.bias"] = (name, slice(None), None)
+            continue
         fused = next((f for f in _FUSED if module.endswith(f)), None)
         if fused is None:
-            targets[f"{hf_module}.{kind}"] = (name, slice(None))
+            rows = slice(None)
+            if shard is not None and module in VOCAB_PARTS:     # the padding stays zero
+                rows = slice(0, shard.real_vocab_rows)
+            targets[f"{hf_module}.{kind}"] = (name, rows, select(module, kind))
             continue
         prefix, start = hf_module[: -len(fused)], 0             # "model.layers.3."
         for part in _FUSED[fused]:
             n = part_rows[part.rsplit(".", 1)[1]]
-            targets[f"{prefix}{part}.{kind}"] = (name, slice(start, start + n))
+            targets[f"{prefix}{part}.{kind}"] = (name, slice(start, start + n),
+                                                 select(part, kind))
             start += n
     return targets
 

@@ -1,0 +1,149 @@
+"""How one tensor-parallel rank's share of a Llama-family model is cut from the whole.
+
+    shard = Shard.of(config, size, rank)     # llama.py builds one when size > 1
+    shard.config                             # the per-rank ModelConfig the module is built with
+    shard.select(part, kind)                 # which rows / columns of a checkpoint tensor
+
+Megatron's layout, as SGLang and vLLM use it:
+- attention: q heads split in balanced ranges `part(H, T, r)` (divisibility is not needed:
+  H=4 on T=3 gives 2, 1, 1 heads); each rank keeps the kv heads its q heads read (`kv_ids`).
+  q/k/v (fused qkv_proj) are column-parallel: a rank computes its own heads whole; o_proj is
+  row-parallel: each rank multiplies its heads' columns and the partial sums are all-reduced.
+- MLP: gate/up (fused) column-parallel over `part(I, T, r)`, down_proj row-parallel.
+- A row-parallel layer is built without its bias; the model adds the bias once, after the
+  all-reduce (else it would be summed T times).
+- vocabulary: embedding and LM head rows in blocks of Vs = ceil(V / T) (the last block
+  zero-padded). The embedding zeroes the ids outside its block and all-reduces (exactly one
+  rank contributes each row, so the sum is exact); the LM head computes its block's logits
+  whole and rank 0 gathers them, trimmed to V.
+- norms, q/k norms (Qwen3, per head) and RoPE tables are replicated.
+
+kv heads under GQA (G = H / K q heads read each kv head): a rank's q heads need kv heads
+`need = [q // G for q in its range]`. When each distinct kv head serves the same number of
+them (K % T == 0: each rank holds K/T; K < T with T % K == 0: one head copied on T/K ranks,
+SGLang's kv head replicas) the rank keeps the distinct ones, and attention keeps GQA with
+G_r = H_r / K_r. Otherwise (uneven splits) it keeps one kv head per q head (G_r = 1): more
+KV memory on that rank, always exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+
+# Checkpoint parts (the leaf module name in HF's naming) split along the output rows; the
+# row-parallel ones split along their input columns (their biases are replicated).
+COLUMN_PARTS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARTS = ("o_proj", "down_proj")
+VOCAB_PARTS = ("embed_tokens", "lm_head")
+
+
+def part(n: int, size: int, rank: int) -> tuple[int, int]:
+    """The balanced range [lo, hi) of n items that rank `rank` of `size` holds."""
+    return rank * n // size, (rank + 1) * n // size
+
+
+def kv_ids(num_heads: int, num_kv_heads: int, size: int, rank: int) -> list[int]:
+    """The global kv heads rank `rank` keeps, in the order of its local kv heads (module
+    docstring): local q head j then reads local kv head j // (H_r // len(kv_ids))."""
+    qlo, qhi = part(num_heads, size, rank)
+    group = num_heads // num_kv_heads
+    need = [q // group for q in range(qlo, qhi)]
+    unique = list(dict.fromkeys(need))
+    if len(need) % len(unique) == 0 and all(need.count(u) == len(need) // len(unique)
+                                            for u in unique):
+        return unique
+    return need
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """Which part of a full checkpoint tensor a rank loads: `index` (a slice, or a list of
+    row numbers) along dimension `dim`, whose full length must be `full`."""
+
+    dim: int
+    index: slice | list[int]
+    full: int
+
+    def full_shape(self, local_shape: tuple[int, ...]) -> tuple[int, ...]:
+        shape = list(local_shape)
+        shape[self.dim] = self.full
+        return tuple(shape)
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """This selection of a full tensor `t`."""
+        if isinstance(self.index, slice):
+            return t[self.index] if self.dim == 0 else t[:, self.index]
+        return t.index_select(self.dim, torch.tensor(self.index, dtype=torch.int64))
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Rank `rank` of `size`'s share of a model with config `full` (module docstring)."""
+
+    full: ModelConfig
+    size: int
+    rank: int
+    q_heads: tuple[int, int]        # [lo, hi) of the global q heads
+    kv_heads: tuple[int, ...]       # global kv head of each local kv head
+    inter: tuple[int, int]          # [lo, hi) of the MLP's intermediate columns
+    vocab: tuple[int, int]          # [lo, hi) of the real vocabulary rows held
+    vocab_rows: int                 # Vs: rows of the local embedding / LM head (padded)
+    config: ModelConfig             # the per-rank config the module is built with
+
+    @classmethod
+    def of(cls, full: ModelConfig, size: int, rank: int) -> Shard:
+        h, k, i, v = full.num_heads, full.num_kv_heads, full.intermediate_size, full.vocab_size
+        if not 0 <= rank < size:
+            raise ValueError(f"tensor-parallel rank {rank} is not in [0, {size})")
+        if size > h or size > i:
+            raise ValueError(f"--tp-size {size} is more than the model's {h} attention heads "
+                             f"or {i} MLP columns")
+        if h % k:
+            raise ValueError(f"{h} attention heads are not a multiple of {k} kv heads")
+        q_heads, inter = part(h, size, rank), part(i, size, rank)
+        kv = tuple(kv_ids(h, k, size, rank))
+        rows = -(-v // size)
+        vocab = (min(rank * rows, v), min((rank + 1) * rows, v))
+        config = dataclasses.replace(full, num_heads=q_heads[1] - q_heads[0],
+                                     num_kv_heads=len(kv), intermediate_size=inter[1] - inter[0],
+                                     vocab_size=rows)
+        return cls(full, size, rank, q_heads, kv, inter, vocab, rows, config)
+
+    def select(self, part_name: str, kind: str) -> Selection | None:
+        """The rows or columns of the full checkpoint tensor of `part_name` (q_proj, down_proj,
+        embed_tokens, ...; HF's leaf module names) and `kind` ("weight" | "bias") this rank
+        loads; None: the whole tensor (replicated)."""
+        c, d = self.full, self.full.head_dim
+        if part_name == "q_proj":
+            lo, hi = self.q_heads
+            return Selection(0, slice(lo * d, hi * d), c.num_heads * d)
+        if part_name in ("k_proj", "v_proj"):
+            return Selection(0, _head_rows(self.kv_heads, d), c.num_kv_heads * d)
+        if part_name in ("gate_proj", "up_proj"):
+            return Selection(0, slice(*self.inter), c.intermediate_size)
+        if part_name in ROW_PARTS and kind == "weight":
+            if part_name == "o_proj":
+                lo, hi = self.q_heads
+                return Selection(1, slice(lo * d, hi * d), c.num_heads * d)
+            return Selection(1, slice(*self.inter), c.intermediate_size)
+        if part_name in VOCAB_PARTS:
+            return Selection(0, slice(*self.vocab), c.vocab_size)
+        return None
+
+    @property
+    def real_vocab_rows(self) -> int:
+        """Rows of the local vocabulary block that are real tokens; the rest are padding."""
+        return self.vocab[1] - self.vocab[0]
+
+
+def _head_rows(heads: tuple[int, ...], head_dim: int) -> slice | list[int]:
+    """The rows of a [heads * head_dim, ...] tensor holding `heads`, in order: a slice when
+    they are consecutive (the split and replicated cases), else the row numbers."""
+    if list(heads) == list(range(heads[0], heads[0] + len(heads))):
+        return slice(heads[0] * head_dim, (heads[0] + len(heads)) * head_dim)
+    return [h * head_dim + j for h in heads for j in range(head_dim)]
