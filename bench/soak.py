@@ -323,7 +323,7 @@ def main(argv=None) -> int:
     server = None
     if args.model_path:
         server = Server(args.model_path, *shlex.split(args.server_args),
-                        tmpdir=tempfile.mkdtemp(prefix="zserve-soak-"))
+                        tmpdir=tempfile.mkdtemp(prefix="zserve-soak-"), one_thread=False)
         base_url = server.url
     else:
         base_url = args.base_url.rstrip("/")

@@ -153,7 +153,8 @@ def launch_server(model_path: str, dtype: str, extra: list[str]) -> tuple[Server
     """launch.py on a free port, with the same harness the end-to-end tests use; returns the
     server and its startup time to /health in seconds."""
     t0 = time.monotonic()
-    server = Server(model_path, "--dtype", dtype, *extra, tmpdir=tempfile.gettempdir())
+    server = Server(model_path, "--dtype", dtype, *extra, tmpdir=tempfile.gettempdir(),
+                    one_thread=False)
     print(f"# launched zserve on {server.url} (log: {server.log_path})", file=sys.stderr)
     return server, time.monotonic() - t0
 

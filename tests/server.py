@@ -30,14 +30,16 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, model_path: str | Path | None, *extra: str,
-                 tmpdir: str | Path | None = None, env: dict | None = None):
-        """model_path None: the built-in demo model."""
+                 tmpdir: str | Path | None = None, env: dict | None = None,
+                 one_thread: bool = True):
+        """model_path None: the built-in demo model. one_thread: OMP_NUM_THREADS=1 unless
+        the environment sets it (tests: the suite runs two test files at once on two
+        cores, and spinning OpenMP workers of two servers would only steal each other's
+        time); False for benchmarks, where the server picks its own thread counts."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         model_args = [] if model_path is None else ["--model-path", str(model_path)]
-        # One intra-op thread per server: the suite runs two test files at once on two
-        # cores, and spinning OpenMP workers of two servers would only steal each other's time.
-        env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
+        env = {**({"OMP_NUM_THREADS": "1"} if one_thread else {}), **os.environ, **(env or {})}
         if tmpdir is not None:                  # where the server's ipc directory goes
             env["TMPDIR"] = str(tmpdir)
         self.log_path = Path(tmpdir or "/tmp") / f"zserve-{self.port}.log"
