@@ -1,6 +1,7 @@
-"""End to end: --tokenizer-worker-num 3 --api-server-count 2: three tokenizer processes
-behind each API process's one ZeroMQ PUSH (which hands them messages in turn), and two API
-processes on one port (SO_REUSEPORT: each connection is served by one of them).
+"""End to end: --tokenizer-worker-num 3 --api-server-count 2 --dp-size 2: three tokenizer
+processes behind each API process's one ZeroMQ PUSH (which hands them messages in turn), two
+API processes on one port (SO_REUSEPORT: each connection is served by one of them), and two
+scheduler replicas behind the data-parallel controller.
 
 100 concurrent mixed requests (unary, batch, streaming, /v1/completions, chat) all succeed
 with the greedy outputs their prompts get when sent one at a time, batches in input order;
@@ -71,7 +72,8 @@ class Solo:
 def server(tiny_model, tmp_path_factory):
     """Ends in the last test: its second API process is killed."""
     s = Server(tiny_model("llama"), "--tokenizer-worker-num", str(WORKERS),
-               "--api-server-count", str(APIS), tmpdir=tmp_path_factory.mktemp("tokw"))
+               "--api-server-count", str(APIS), "--dp-size", "2",
+               tmpdir=tmp_path_factory.mktemp("tokw"))
     try:
         yield s
     finally:
