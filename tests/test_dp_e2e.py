@@ -4,8 +4,8 @@ tensor-parallel ranks (--tp-size 2: four model processes).
 
 40 concurrent greedy requests all succeed and equal transformers' output (where its choice
 is not a near-tie); /server_info lists both replicas, and both served some; once idle each
-replica's KV pool is whole. A flush reaches both replicas. SIGKILL of one replica takes the
-server down non-zero and leaves no process (the one killed is a tensor-parallel follower).
+replica's KV pool is whole. A flush reaches both replicas. SIGKILL of a replica's rank takes the
+server down non-zero and leaves no process; so does SIGKILL of the controller.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ SERVERS = {"round_robin": (), "shortest_queue": ("--tp-size", "2")}
 
 @pytest.fixture(scope="module", params=list(SERVERS))
 def server(request, tiny_model, tmp_path_factory):
-    """The shortest_queue server ends in the last test, killed (a launch less)."""
+    """Each server ends in the last test, killed (no launch of its own for that)."""
     s = Server(tiny_model("llama"), "--dp-size", "2", "--load-balance-method",
                request.param, *SERVERS[request.param], tmpdir=tmp_path_factory.mktemp("dp"))
     s.method = request.param
@@ -85,7 +85,10 @@ def test_flush_reaches_every_replica(server):
                for x in server.server_info()["replicas"])
 
 
-def test_a_killed_replica_takes_the_server_down(server):
-    if server.method != "shortest_queue":
-        pytest.skip("one kill is enough: the shortest_queue server's")
-    assert_death_takes_the_server_down(server, "scheduler-1-tp1", server.log_path.parent)
+VICTIMS = {"round_robin": "dp-controller", "shortest_queue": "scheduler-1-tp1"}
+
+
+def test_a_killed_controller_or_rank_takes_the_server_down(server):
+    """Last: each module server ends here, killed: the controller of one, a tensor-parallel
+    follower of a replica of the other."""
+    assert_death_takes_the_server_down(server, VICTIMS[server.method], server.log_path.parent)
