@@ -4,8 +4,9 @@ tensor-parallel ranks (--tp-size 2: four model processes).
 
 40 concurrent greedy requests all succeed and equal transformers' output (where its choice
 is not a near-tie); /server_info lists both replicas, and both served some; once idle each
-replica's KV pool is whole. A flush reaches both replicas. SIGKILL of a replica's rank takes the
-server down non-zero and leaves no process; so does SIGKILL of the controller.
+replica's KV pool is whole; idle, no process of either server uses CPU. A flush reaches both
+replicas. SIGKILL of a replica's rank takes the server down non-zero and leaves no process;
+so does SIGKILL of the controller.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 
 from tests.reference import assert_greedy_match, greedy_reference
 from tests.server import Server, pool_whole, wait_idle
-from tests.test_lifecycle import assert_death_takes_the_server_down
+from tests.test_lifecycle import assert_death_takes_the_server_down, assert_idle_uses_no_cpu
 
 pytestmark = pytest.mark.e2e
 
@@ -83,6 +84,10 @@ def test_flush_reaches_every_replica(server):
     assert r.status_code == 200 and r.json()["message"] == "Cache flushed."
     assert all(x["kv_pool"]["evictable"] == 0 and pool_whole(x)
                for x in server.server_info()["replicas"])
+
+
+def test_idle_replicas_controller_and_ranks_use_no_cpu(server):
+    assert_idle_uses_no_cpu(server)
 
 
 VICTIMS = {"round_robin": "dp-controller", "shortest_queue": "scheduler-1-tp1"}
