@@ -40,6 +40,7 @@ from pathlib import Path
 import setproctitle
 
 from api_proc.listener import bind_listener
+from api_proc.metrics import use_multiprocess_dir
 from wire.addresses import Addresses, worker_title
 from wire import VERSION, node_link
 from wire.messages import ApiControl, NodeBye, NodeHello, NodeReply
@@ -419,6 +420,7 @@ def serve(config: ServerConfig, listener: socket.socket,
                              api_servers=args.api_server_count, dp_size=args.dp_size,
                              dist_init=split_host_port(args.dist_init_addr)
                              if args.nnodes > 1 else None)
+    use_multiprocess_dir(addrs.ipc_dir)     # before any API process imports prometheus_client
     children = None
     try:
         # The children first: the scheduler's model load is the long pole of startup. The
@@ -433,6 +435,7 @@ def serve(config: ServerConfig, listener: socket.socket,
         from api_proc.state import Admission, Dispatcher
         dispatcher = Dispatcher(addrs, Admission(args.max_queued_requests,
                                                  args.request_timeout))
+        dispatcher.log_requests = args.log_requests
         infos = children.wait_ready()
         pools = [infos[worker_title("scheduler", r)]["max_total_tokens"]
                  for r in range(len(addrs.replicas))]

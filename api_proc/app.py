@@ -21,8 +21,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from api_proc import dashboard
 from api_proc.boundary import BadRequest, BodyLimits, JSONResponse, error_response, read_json
 from api_proc.guard import Guard, parse_origins
+from api_proc.metrics import LOG_INTERVAL, metrics, throughput_line
 from api_proc.native import GenerateHandler
 from api_proc.openai_api import OpenAIHandler
 from api_proc.state import Dispatcher
@@ -78,6 +80,11 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
                 "requests_total": x.requests_total,
                 "prompt_tokens_total": x.prompt_tokens_total,
                 "generated_tokens_total": x.generated_tokens_total}
+
+    async def metrics_route(_: Request) -> Response:
+        """Prometheus text format (api_proc/metrics.py)."""
+        body, content_type = metrics().render(dispatcher.loads, dispatcher.throughput.rates()[1])
+        return Response(body, media_type=content_type)
 
     async def get_load(_: Request) -> Response:
         """SGLang's load report, one entry per scheduler replica: what sglang-router's
@@ -149,11 +156,14 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        task = asyncio.create_task(dispatcher.run())
+        tasks = [asyncio.create_task(dispatcher.run())]
+        if dispatcher.index == 0:           # every API process sees the same loads: one logs
+            tasks.append(asyncio.create_task(log_throughput(dispatcher)))
         try:
             yield
         finally:
-            task.cancel()
+            for task in tasks:
+                task.cancel()
 
     routes = [
         Route("/generate", GenerateHandler(dispatcher, args.incremental_streaming_output,
@@ -167,9 +177,11 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
         Route("/server_info", server_info, methods=["GET"]),
         Route("/get_server_info", server_info, methods=["GET"]),
         Route("/get_load", get_load, methods=["GET"]),
+        Route("/metrics", metrics_route, methods=["GET"]),
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/flush_cache", flush_cache, methods=["POST"]),
         *OpenAIHandler(config, dispatcher).routes(),
+        *dashboard.routes(),
     ]
     origins = parse_origins(args.allowed_origins)
     middleware = [Middleware(Guard, api_key=args.api_key, admin_api_key=args.admin_api_key,
@@ -181,3 +193,15 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
                     exception_handlers={HTTPException: http_error})
     app.state.body_limits = BodyLimits(args.max_request_bytes, args.read_timeout)
     return app
+
+
+async def log_throughput(dispatcher: Dispatcher) -> None:
+    """A throughput line every LOG_INTERVAL seconds while the server has work; nothing (and
+    no wake-up) while it is idle: the loop waits for a load that shows work."""
+    while True:
+        await dispatcher.busy.wait()
+        await asyncio.sleep(LOG_INTERVAL)
+        load = dispatcher.load
+        log.info("%s", throughput_line(load, dispatcher.throughput.rates()))
+        if not (load.running or load.queued):
+            dispatcher.busy.clear()

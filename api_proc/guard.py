@@ -1,7 +1,9 @@
 """Who may call what: API keys, admin routes and browser origins, checked before any route.
 
 Rules (README, "Hardening"):
-- `--api-key KEY`: every route but /health needs `Authorization: Bearer KEY` (401 otherwise).
+- `--api-key KEY`: every route but /health and /dashboard (a static page holding no data:
+  the key is typed into it, and its calls carry it) needs `Authorization: Bearer KEY`
+  (401 otherwise).
   Deny by default: the check wraps the whole app, so a route added later is covered too.
   With only `--admin-api-key`, the routes that are not admin routes stay open.
 - Admin routes (ADMIN_PATHS) act on other clients' work. With no key set anyone may call
@@ -27,7 +29,7 @@ from starlette.datastructures import Headers
 
 from api_proc.boundary import JSONResponse
 
-PUBLIC_PATHS = frozenset({"/health"})
+PUBLIC_PATHS = frozenset({"/health", "/dashboard"})
 ADMIN_PATHS = frozenset({"/abort_request", "/flush_cache"})
 
 

@@ -190,7 +190,8 @@ class GenerateHandler:
     async def handle(self, request: Request) -> Response:
         try:
             parsed = parse_generate(await read_json(request))
-            states = await self.pipeline.start(request, parsed.requests, parsed.warmups)
+            states = await self.pipeline.start(request, parsed.requests, parsed.warmups,
+                                               "generate")
             for st in states:
                 st.text_in_logprobs = parsed.text_in_logprobs
         except (BadRequest, SubmitError) as e:

@@ -455,7 +455,8 @@ class OpenAIHandler:
             else:
                 parsed = parse_completion(body, self.model_id)
             echo = await self._echo_texts(parsed)
-            states = await self.pipeline.start(request, parsed.requests, parsed.warmups)
+            states = await self.pipeline.start(request, parsed.requests, parsed.warmups,
+                                               "chat_completions" if chat else "completions")
         except OpenAIError as e:
             return error_response(str(e), e.status, e.param)
         except (BadRequest, SubmitError) as e:

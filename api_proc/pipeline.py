@@ -110,12 +110,13 @@ class Pipeline:
         self.share_prompts = share_prompts      # the radix cache is on: warm-ups pay off
 
     async def start(self, request: Request, reqs: list[GenerateRequest],
-                    warmups: list[GenerateRequest]) -> list[RequestState]:
-        """Warm up, then submit. Raises BadRequest (or SubmitError) to answer at once."""
+                    warmups: list[GenerateRequest], route: str) -> list[RequestState]:
+        """Warm up, then submit. Raises BadRequest (or SubmitError) to answer at once.
+        `route` names the requests in metrics and logs (the warm-ups are not counted)."""
         if self.dispatcher.lost:
             raise BadRequest(f"Server unhealthy: {self.dispatcher.lost}", 503)
         started = await self._warm_up(request, warmups)
-        states = self.dispatcher.submit(reqs)
+        states = self.dispatcher.submit(reqs, route)
         if started is not None:
             for st in states:
                 st.timing.created_at = started

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import zmq.asyncio
 
+from api_proc.metrics import Throughput, clip, metrics, request_line
 from api_proc.timing import RequestTiming
 from wire.addresses import Addresses
 from wire.messages import (AbortRequest, ApiControl, ControlReply, FinishReason,
@@ -35,6 +36,7 @@ from wire.codec import API_INBOX, encode
 from wire.sockets import AsyncInbox, Outbox
 
 log = logging.getLogger(__name__)
+request_log = logging.getLogger("zserve.requests")
 PEER_ABORT_TIMEOUT = 5.0    # seconds for the other API processes to answer an abort
 
 
@@ -67,7 +69,7 @@ class RequestState:
 
     __slots__ = ("rid", "user_rid", "timing", "pending", "arrived", "listener", "text",
                  "output_ids", "last", "logprob", "output_logprobs", "input_logprobs",
-                 "text_in_logprobs", "sent", "timer")
+                 "text_in_logprobs", "sent", "timer", "route")
 
     def __init__(self, rid: str, logprob: LogprobRequest | None = None,
                  user_rid: str | None = None):
@@ -86,6 +88,8 @@ class RequestState:
         self.text_in_logprobs = False           # SGLang's return_text_in_logprobs
         self.sent = (0, 0)                      # text and ids handed out by unsent()
         self.timer: asyncio.TimerHandle | None = None   # --request-timeout
+        self.route: str | None = None           # the route it came through (metrics, logs);
+                                                # None: internal (probes, warm-ups)
 
     def push(self, out: TextOutput) -> None:
         """Queue an output (the dispatcher's side)."""
@@ -173,6 +177,9 @@ class RequestState:
             meta["e2e_latency"] = self.timing.e2e_latency
             meta["first_token_latency"] = self.timing.first_token_latency
             meta["queue_time"] = out.queue_time
+            meta["prefill_time"] = out.prefill_time
+            meta["decode_time"] = out.decode_time
+            meta["inter_token_latency"] = self.timing.mean_inter_token_latency
         return meta
 
 
@@ -211,6 +218,9 @@ class Dispatcher:
         self.rids: dict[str, str] = {}                # user rid -> internal id
         self.ids = itertools.count()
         self.submitted = 0                            # requests taken in by this process
+        self.throughput = Throughput()                # tokens/s from the loads' counters
+        self.busy = asyncio.Event()       # set when a load shows work (the throughput log)
+        self.log_requests = False         # --log-requests: prompts and outputs, clipped
         self.lost: str | None = None      # set when the pipeline is gone; then all fail fast
         self.loop: asyncio.AbstractEventLoop | None = None   # set once run() starts
         # The newest load of each scheduler replica (seq grows per replica), and their sum.
@@ -233,9 +243,11 @@ class Dispatcher:
         may lag a little: this errs towards counting more waiting)."""
         return max(len(self.states) - self.load.running, 0)
 
-    def submit(self, reqs: list[GenerateRequest]) -> list[RequestState]:
+    def submit(self, reqs: list[GenerateRequest],
+               route: str | None = None) -> list[RequestState]:
         """Register and send a group of requests atomically (all or none). Each is sent
-        under a fresh internal id; the state keeps the client's rid."""
+        under a fresh internal id; the state keeps the client's rid. `route`: the route
+        they came through, for metrics and logs (None: internal requests)."""
         rids = [r.rid for r in reqs]
         dup = next((rid for rid in rids if rid in self.rids), None)
         if dup is None and len(set(rids)) < len(rids):
@@ -244,6 +256,8 @@ class Dispatcher:
             raise DuplicateRid(f"Duplicate request ID {dup!r} is already in flight.")
         limit = self.admission.max_queued
         if limit is not None and self.waiting >= limit:
+            if route is not None:
+                metrics().rejected.labels("queue_full").inc(len(reqs))
             raise QueueFull(f"The server is busy: {self.waiting} requests are already "
                             f"waiting (--max-queued-requests {limit}). Try again later.")
         sent = [replace(r, rid=f"{self.id_prefix}{next(self.ids):x}", api=self.index)
@@ -255,6 +269,7 @@ class Dispatcher:
         states = []
         for req, wire, frame in zip(reqs, sent, frames):
             state = RequestState(wire.rid, req.logprob, user_rid=req.rid)
+            state.route = route
             self.states[wire.rid] = state
             self.rids[req.rid] = wire.rid
             if self.admission.timeout is not None:
@@ -264,9 +279,32 @@ class Dispatcher:
                         f"{self.admission.timeout:g} s (--request-timeout)."))
             self.to_tokenizer.send_frame(frame)
             log.debug("request %r runs as %s", req.rid, wire.rid)   # to match child logs
+            if self.log_requests and route is not None:
+                request_log.info("request %s %s in: %s", req.rid, route, clip(
+                    repr(req.text if req.text is not None else
+                         req.messages if req.messages is not None else req.input_ids)))
             states.append(state)
         self.submitted += len(states)
+        self._count_in_flight()
         return states
+
+    def _count_in_flight(self) -> None:
+        metrics().in_flight.set(len(self.states))
+
+    def _finished(self, state: RequestState, out: TextOutput) -> None:
+        """A request's terminal output, received or made here: metrics and the log line."""
+        self._count_in_flight()
+        if state.route is None:
+            return
+        t = state.timing
+        metrics().finished(out, state.route, t.first_token_latency, t.e2e_latency)
+        if request_log.isEnabledFor(logging.INFO):
+            request_log.info("%s", request_line(state.user_rid, state.route, out,
+                                                t.first_token_latency, t.e2e_latency))
+            if self.log_requests:
+                request_log.info("request %s out: %s", state.user_rid,
+                                 clip(repr(state.text + "".join(o.text for o in
+                                                                state.pending))))
 
     def _forget(self, state: RequestState) -> None:
         self.states.pop(state.rid, None)
@@ -284,7 +322,9 @@ class Dispatcher:
         if not self.lost:
             self.to_tokenizer.send(AbortRequest(rid=state.rid, message=finish.message or ""))
         state.timing.mark_output(time.monotonic(), terminal=True)
-        state.push(TextOutput(state.rid, "", [], finish))
+        out = TextOutput(state.rid, "", [], finish)
+        state.push(out)
+        self._finished(state, out)
 
     def end_all(self, message: str) -> None:
         """Shutdown: every request in flight ends with a 503 and `message`."""
@@ -366,8 +406,10 @@ class Dispatcher:
         for state in list(self.states.values()):
             self._forget(state)
             state.timing.mark_output(now, terminal=True)
-            state.push(TextOutput(state.rid, "", [], FinishReason(
-                "abort", message=message, status_code=503)))
+            out = TextOutput(state.rid, "", [], FinishReason("abort", message=message,
+                                                             status_code=503))
+            state.push(out)
+            self._finished(state, out)
 
     async def flush_cache(self, timeout: float = 30.0) -> ControlReply:
         req_id = uuid.uuid4().hex
@@ -390,6 +432,9 @@ class Dispatcher:
             return                              # wins; an unknown replica is forged
         self.loads[load.replica] = load
         self.load = load if len(self.loads) == 1 else total_load(list(self.loads.values()))
+        self.throughput.add(self.load, time.monotonic())
+        if self.load.running or self.load.queued:
+            self.busy.set()
 
     def lose_threadsafe(self, message: str) -> None:
         """Called from the supervisor thread when a child dies."""
@@ -426,10 +471,14 @@ class Dispatcher:
                 if state is None:
                     continue                      # ended here already (timeout, lost, ...)
                 terminal = out.finish is not None
-                state.timing.mark_output(now, terminal)
+                state.timing.mark_output(now, terminal, len(out.new_ids))
+                if state.route is not None:
+                    metrics().output(state.timing.last_gap)
                 if terminal:
                     self._forget(state)
                 state.push(out)
+                if terminal:
+                    self._finished(state, out)
 
 
 def total_load(loads: list[SchedulerLoad]) -> SchedulerLoad:

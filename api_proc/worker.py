@@ -32,6 +32,7 @@ def main(config: ServerConfig, addrs: Addresses, index: int, scheduler_info: dic
         dispatcher = Dispatcher(addrs, Admission(args.max_queued_requests,
                                                  args.request_timeout), index)
         dispatcher.expect_replicas(pools)
+        dispatcher.log_requests = args.log_requests
         app = build_app(config, dispatcher, scheduler_info)
         server = make_server(app, args.host, args.port, args.log_level, args.read_timeout,
                              args.shutdown_timeout,

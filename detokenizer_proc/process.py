@@ -175,8 +175,10 @@ class Detokenizer:
         self._check_logprobs(o.input_logprobs, "input_logprobs")
         if o.finish is not None and o.finish.type not in FINISH_TYPES:
             raise OutputError(f"unknown finish type {o.finish.type!r}")
-        if o.queue_time is not None and not math.isfinite(o.queue_time):
-            raise OutputError(f"queue_time is {o.queue_time}")
+        for name in ("queue_time", "prefill_time", "decode_time"):
+            value = getattr(o, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise OutputError(f"{name} is {value}")
 
     def _check_decode(self, d: DecodeParams) -> None:
         # The API's limits: DecodeStream keeps every prefix of every stop string.
@@ -199,7 +201,8 @@ class Detokenizer:
                           completion_tokens=st.completion_tokens,
                           cached_tokens=o.cached_tokens, queue_time=o.queue_time,
                           logprobs=self._with_texts(o.logprobs, len(used)),
-                          input_logprobs=self._with_texts(o.input_logprobs, None))
+                          input_logprobs=self._with_texts(o.input_logprobs, None),
+                          prefill_time=o.prefill_time, decode_time=o.decode_time)
 
     def _with_texts(self, lp: Logprobs | None, keep: int | None) -> Logprobs | None:
         """Trim to the ids actually used and add each token's own text (SGLang decodes

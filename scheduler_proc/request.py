@@ -17,7 +17,7 @@ class Req:
 
     __slots__ = ("rid", "api", "input_ids", "sampling", "stream", "output_ids", "slots", "row",
                  "prefix_node", "prefix_len", "cached_tokens", "arrived_at", "queue_time",
-                 "finish", "announced", "generator", "logprob", "input_logprobs",
+                 "finish", "announced", "first_token_at", "generator", "logprob", "input_logprobs",
                  "pending_logprobs", "held_ids")
 
     def __init__(self, msg: TokenizedRequest, device: torch.device | str = "cpu"):
@@ -34,6 +34,7 @@ class Req:
         self.cached_tokens: int | None = None  # prompt tokens served from the cache (1st admit)
         self.arrived_at = time.monotonic()
         self.queue_time: float | None = None
+        self.first_token_at: float | None = None     # when its first token was sampled
         self.finish: FinishReason | None = None
         self.announced = False               # has the detokenizer seen DecodeParams yet
         self.held_ids: list[int] = []        # sampled, not sent yet (see Scheduler.emit)
@@ -100,6 +101,17 @@ class Req:
             return self.input_ids[start:end]
         return (self.input_ids[start:] if start < n else []) + \
             self.output_ids[max(start - n, 0):end - n]
+
+    def phase_times(self) -> tuple[float | None, float | None]:
+        """(prefill, decode) seconds on this process's clock, as the request ends now:
+        from its first forward to its first token, and from there to now. None for a
+        phase it never reached."""
+        if self.queue_time is None:
+            return None, None
+        if self.first_token_at is None:
+            return time.monotonic() - self.arrived_at - self.queue_time, None
+        return (self.first_token_at - self.arrived_at - self.queue_time,
+                time.monotonic() - self.first_token_at)
 
     def decode_params(self) -> DecodeParams:
         s = self.sampling

@@ -100,6 +100,7 @@ class Scheduler:
         self.retracted_total = 0
         self.rejected_total = 0
         self.requests_total = 0                   # accepted (queued) since start
+        self.cached_tokens_total = 0
         self.received_total = 0                   # TokenizedRequests handled, any outcome
 
     # ---- the step -----------------------------------------------------------------------
@@ -299,6 +300,7 @@ class Scheduler:
             if req.cached_tokens is None:
                 req.cached_tokens = req.prefix_len
                 self.prompt_tokens_total += len(req.input_ids)
+                self.cached_tokens_total += req.prefix_len
             todo = req.seq_len - req.num_computed
             n = min(todo, budget)
             budget -= n
@@ -359,6 +361,8 @@ class Scheduler:
                             f"{type(token).__name__}: {token}"), valid=seg.start)
                 continue
             self.generated_tokens_total += 1
+            if req.first_token_at is None:
+                req.first_token_at = time.monotonic()
             req.output_ids.append(token)
             reason = self.check_finished(req, token)
             if reason is not None:
@@ -414,12 +418,14 @@ class Scheduler:
             req.held_ids = new_ids
             return
         first = not req.announced
+        prefill_time, decode_time = req.phase_times() if finish is not None else (None, None)
         self.outputs.append(TokenOutput(
             rid=req.rid, new_ids=new_ids, finish=finish, prompt_tokens=len(req.input_ids),
             cached_tokens=req.cached_tokens or 0, queue_time=req.queue_time,
             decode=req.decode_params() if first else None,
             logprobs=req.pending_logprobs if new_ids else None,
-            input_logprobs=req.input_logprobs if first and req.wants_input_logprobs else None))
+            input_logprobs=req.input_logprobs if first and req.wants_input_logprobs else None,
+            prefill_time=prefill_time, decode_time=decode_time))
         req.pending_logprobs = None
         req.announced = True
 
@@ -446,5 +452,6 @@ class Scheduler:
                              retracted_total=self.retracted_total,
                              rejected_total=self.rejected_total,
                              requests_total=self.requests_total,
+                             cached_tokens_total=self.cached_tokens_total,
                              queued_tokens=sum(r.seq_len for r in self.waiting),
                              running_tokens=sum(r.seq_len for r in self.running))

@@ -11,6 +11,7 @@ import pytest
 from starlette.routing import Route
 
 from api_proc.app import build_app
+from api_proc.guard import PUBLIC_PATHS
 from api_proc.state import Dispatcher
 from wire.addresses import Addresses
 from wire.model_path import ModelFacts
@@ -78,12 +79,14 @@ def routes(app) -> list[tuple[str, str]]:
     return out
 
 
-def test_every_route_but_health_needs_the_key(app, client):
+def test_every_route_but_the_public_ones_needs_the_key(app, client):
+    # Public: /health, and /dashboard (a static page: no data, the key is typed into it).
+    assert PUBLIC_PATHS == {"/health", "/dashboard"}
     checked = 0
     for path, method in routes(app):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             r = client.request(method, path, json={}, headers=headers)
-            if path == "/health":
+            if path in PUBLIC_PATHS:
                 assert r.status_code != 401, (path, method)
             else:
                 assert r.status_code == 401, (path, method, headers, r.text)

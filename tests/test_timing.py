@@ -79,3 +79,18 @@ def test_no_stray_attributes():
     t = RequestTiming()
     with pytest.raises(AttributeError):
         t.first_token_at = 1.0          # __slots__: a misspelled stamp is an error, not silent
+
+
+def test_inter_token_latency_is_the_mean_gap_per_token_after_the_first_output():
+    t = RequestTiming()
+    t.created_at = 0.0
+    t.mark_output(1.0, terminal=False, tokens=1)      # the first token: no gap yet
+    assert t.mean_inter_token_latency is None and t.last_gap is None
+    t.mark_output(1.5, terminal=False, tokens=1)
+    assert t.last_gap == (0.5, 1)
+    t.mark_output(2.5, terminal=False, tokens=4)      # a bunch: 0.25 s a token
+    assert t.last_gap == (1.0, 4)
+    t.mark_output(2.7, terminal=True, tokens=0)       # an end without tokens: no gap
+    assert t.last_gap is None
+    assert t.mean_inter_token_latency == pytest.approx((2.5 - 1.0) / 5)
+    assert t.e2e_latency == pytest.approx(2.7)

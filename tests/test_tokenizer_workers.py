@@ -26,6 +26,7 @@ import psutil
 import pytest
 
 from tests.server import Server, wait_idle, wait_until
+from tests.test_metrics import check_traffic, generate
 from tests.test_lifecycle import (LONG, assert_death_takes_the_server_down, gone,
                                   wait_running)
 
@@ -236,6 +237,20 @@ def test_both_api_processes_took_requests_and_see_the_same_server(burst, clients
     whole = ("requests_total", "prompt_tokens_total", "generated_tokens_total", "kv_pool",
              "replicas")
     assert all({k: i[k] for k in whole} == {k: infos[0][k] for k in whole} for i in infos)
+
+
+def test_metrics_of_both_api_processes_add_up_in_either(server, clients):
+    """Requests through each API process; /metrics from one of them counts them all, and
+    its latency sums are those of the requests' meta_info (issue 12, check 1)."""
+    wait_idle(server)
+
+    def send() -> list[dict]:
+        return [generate(c, input_ids=[5 + i, 6, 7, 8], sampling_params={
+            "max_new_tokens": 4, "ignore_eos": True})["meta_info"]
+            for i, c in enumerate(clients * 3)]
+    for scraped_from in clients:
+        check_traffic(scraped_from, send)
+    wait_idle(server)
 
 
 @pytest.mark.parametrize("runs_on,aborted_through", [(0, 1), (1, 0)])

@@ -159,6 +159,10 @@ class TokenOutput(WireStruct):
     decode: DecodeParams | None = None  # set on the rid's first output only
     logprobs: Logprobs | None = None    # of new_ids, when requested
     input_logprobs: Logprobs | None = None   # of the prompt from start_len, first output only
+    # On the terminal output (scheduler clock, seconds): from the first forward to the
+    # first token sampled, and from there to the end (None where there was no such span).
+    prefill_time: float | None = None
+    decode_time: float | None = None
 
 
 class SchedulerLoad(WireStruct):
@@ -177,6 +181,7 @@ class SchedulerLoad(WireStruct):
     retracted_total: int = 0
     rejected_total: int = 0             # forged or invalid requests the scheduler refused
     requests_total: int = 0             # requests accepted since start
+    cached_tokens_total: int = 0        # prompt tokens found in the prefix cache, since start
     queued_tokens: int = 0              # prompt + output tokens of the queued requests
     running_tokens: int = 0             # the same of the running ones
 
@@ -266,6 +271,8 @@ class TextOutput(WireStruct):
     queue_time: float | None = None
     logprobs: Logprobs | None = None
     input_logprobs: Logprobs | None = None
+    prefill_time: float | None = None   # TokenOutput's, on the terminal output
+    decode_time: float | None = None
 
 
 class TextBatch(WireStruct, tag=6):

@@ -135,6 +135,8 @@ class ServerArgs:
                                    "(with a stack dump in the log).")
     shutdown_timeout: float = _opt(30.0, "On SIGTERM/SIGINT, seconds in-flight requests may "
                                    "take to finish before they are aborted.")
+    log_requests: bool = _opt(False, "Log each request's prompt and output (clipped) "
+                              "next to its one-line summary.")
     log_level: str = _opt("info", "Log level.",
                           choices=["debug", "info", "warning", "error", "critical"])
 
