@@ -28,6 +28,7 @@ from api_proc.metrics import LOG_INTERVAL, metrics, throughput_line
 from api_proc.native import GenerateHandler
 from api_proc.openai_api import OpenAIHandler
 from api_proc.state import Dispatcher
+from api_proc.tokenize_routes import TokenizeHandler
 from wire import VERSION
 from wire.messages import GenerateRequest, SchedulerLoad
 from wire.sampling import SamplingParams
@@ -182,6 +183,7 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
         Route("/flush_cache", flush_cache, methods=["POST"]),
         *OpenAIHandler(config, dispatcher).routes(),
         *dashboard.routes(),
+        *TokenizeHandler(config).routes(),
     ]
     origins = parse_origins(args.allowed_origins)
     middleware = [Middleware(Guard, api_key=args.api_key, admin_api_key=args.admin_api_key,

@@ -229,6 +229,10 @@ class Tokenizer:
                                f"{e}") from None
         return list(out)
 
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text, within the length bound (RequestError otherwise)."""
+        return self._encode(text, add_special_tokens=add_special_tokens)
+
     def apply_chat_template(self, messages) -> list[int]:
         if not self.tok.chat_template:
             raise RequestError("This model has no chat template; pass --chat-template.")
