@@ -45,13 +45,13 @@ from wire.addresses import Addresses, worker_title
 from wire import VERSION, node_link
 from wire.messages import ApiControl, NodeBye, NodeHello, NodeReply
 from wire.model_path import (SIDECAR_FILE, StartupError, describe_source, gguf_sidecar_dir,
-                             model_facts, resolve_model_path)
+                             model_facts, model_fingerprint, resolve_model_path)
 from wire.proc import read_ready
 from wire.server_args import ServerArgs, ServerConfig, concrete_dtype, split_host_port
 
 log = logging.getLogger("zserve")
 CHILD_STOP_TIMEOUT = 5.0
-SHUTDOWN_GRACE = 5.0           # api_proc/server.py's: seconds for the last answers to go
+HELLO_TIMEOUT = 10.0           # seconds for a node-link connection to say its NodeHello
 DEATH_SHUTDOWN_TIMEOUT = 5.0   # after a child died: seconds to answer clients, then hard exit
 
 
@@ -157,6 +157,8 @@ class Children:
         self.stopping = False
         self.api_link: ApiLink | None = None
         self.links: dict[str, socket.socket] = {}   # --nnodes: the node links ("node 1")
+        self.expected: set[str] = set()     # children whose exit 0 is not a death
+        self.death: str | None = None       # why the server is going down, if a child died
         ranks = [(scheduler_proc.process.rank_title(r, k), scheduler_proc.process.main, (r, k))
                  for r in range(len(addrs.replicas)) for k in node_ranks(config.args)]
         if not pipeline:
@@ -195,9 +197,10 @@ class Children:
         return [p for n, p in self.procs.items() if n.startswith("api-")]
 
     def drain_apis(self) -> None:
-        """Graceful shutdown of API processes 1..: they exit 0 on their own (not a death)."""
+        """Graceful shutdown of API processes 1..: they exit 0 on their own (not a death;
+        the rest of the children stay supervised meanwhile)."""
         if self.api_link is not None:
-            self.stopping = True
+            self.expected.update(n for n in self.procs if n.startswith("api-"))
             self.api_link.tell(ApiControl("drain"))
 
     def join_apis(self, timeout: float) -> None:
@@ -215,15 +218,12 @@ class Children:
             for obj in wait([*pending.values(), *sentinels, *links]):
                 if obj in links:        # a node's launcher went away (its ranks with it)
                     raise RuntimeError(f"{links[obj]} left during startup (its link closed)")
-                if obj in sentinels:
-                    name = sentinels[obj]
-                    if name in pending:
-                        # It may have written its error before exiting.
-                        if pending[name].poll():
-                            infos[name] = read_ready(pending.pop(name))
-                        raise RuntimeError(f"{name} exited with code "
-                                           f"{self.procs[name].exitcode} during startup")
-                    continue
+                if obj in sentinels:    # any child, ready or not: a dead sentinel stays
+                    name = sentinels[obj]   # readable, so it must end the wait
+                    if name in pending and pending[name].poll():
+                        read_ready(pending.pop(name))   # raises with its error, if it wrote one
+                    raise RuntimeError(f"{name} exited with code "
+                                       f"{self.procs[name].exitcode} during startup")
                 name = next(n for n, c in pending.items() if c is obj)
                 try:
                     infos[name] = read_ready(pending.pop(name))
@@ -234,20 +234,26 @@ class Children:
 
     def supervise(self, on_death) -> None:
         """Start a thread that calls on_death(name, how) when a child dies unasked; `how`
-        says how it ended ("exit code 1", "killed by SIGKILL")."""
+        says how it ended ("exit code 1", "killed by SIGKILL"). Exits in `self.expected`
+        (API processes told to drain) are not deaths: the others stay watched."""
         def watch() -> None:
             sentinels = {p.sentinel: n for n, p in self.procs.items()}
             links = {sock: name for name, sock in self.links.items()}
-            ready = wait([*sentinels, *links])
-            if self.stopping:
+            while True:
+                ready = wait([*sentinels, *links])
+                if self.stopping:
+                    return
+                if ready[0] in links:       # node r never writes after its hello: EOF
+                    on_death(links[ready[0]], "its launcher's link closed")
+                    return
+                name = sentinels[ready[0]]
+                proc = self.procs[name]
+                proc.join(1.0)              # the sentinel fired: reap it so exitcode is known
+                if name in self.expected and proc.exitcode == 0:
+                    del sentinels[ready[0]]
+                    continue
+                on_death(name, describe_exit(proc.exitcode))
                 return
-            if ready[0] in links:       # node r never writes after its hello: EOF
-                on_death(links[ready[0]], "its launcher's link closed")
-                return
-            name = sentinels[ready[0]]
-            proc = self.procs[name]
-            proc.join(1.0)              # the sentinel fired: reap it so exitcode is known
-            on_death(name, describe_exit(proc.exitcode))
         threading.Thread(target=watch, name="supervisor", daemon=True).start()
 
     def stop(self) -> None:
@@ -258,7 +264,8 @@ class Children:
             self.api_link.close()
         for sock in self.links.values():
             with contextlib.suppress(OSError):
-                node_link.send(sock, NodeBye("node 0 shut down"))
+                node_link.send(sock, NodeBye(self.death or "node 0 shut down",
+                                             exit_code=1 if self.death else 0))
             sock.close()
         for p in self.procs.values():
             if p.is_alive():
@@ -297,21 +304,37 @@ def node_hello(config: ServerConfig) -> NodeHello:
     return NodeHello(node_rank=args.node_rank, nnodes=args.nnodes, tp_size=args.tp_size,
                      dtype=config.dtype, context_length=config.context_length,
                      model=f"{m.architecture}, {m.num_params} parameters, vocabulary "
-                           f"{m.vocab_size}", version=VERSION)
+                           f"{m.vocab_size}", version=VERSION,
+                     fingerprint=model_fingerprint(config.model_path), device=args.device)
 
 
-def accept_nodes(config: ServerConfig, server: socket.socket) -> dict[str, socket.socket]:
+def accept_nodes(config: ServerConfig, server: socket.socket,
+                 children: Children) -> dict[str, socket.socket]:
     """Node 0: take every other node's link within --dist-timeout; each one's NodeHello
     must match this node's settings (else both nodes fail at startup, saying which)."""
     args = config.args
     deadline = time.monotonic() + args.dist_timeout
     ours = node_hello(config)
     links: dict[str, socket.socket] = {}
+    sentinels = {p.sentinel: n for n, p in children.procs.items()}
     while len(links) < args.nnodes - 1:
+        ready = wait([server, *sentinels], timeout=max(deadline - time.monotonic(), 0.0))
+        if not ready:
+            raise StartupError(f"{args.nnodes - 1 - len(links)} node(s) did not connect "
+                               f"within --dist-timeout {args.dist_timeout:g} s")
+        if ready[0] in sentinels:
+            name = sentinels[ready[0]]
+            raise RuntimeError(f"{name} exited with code {children.procs[name].exitcode} "
+                               f"during startup")
         sock = node_link.accept(server, deadline)
-        hello = node_link.recv(sock, timeout=max(deadline - time.monotonic(), 1.0))
-        problem = hello_mismatch(ours, hello, links)
-        node_link.send(sock, NodeReply(ok=problem is None, message=problem or ""))
+        try:            # anything may connect to the port: only a node's hello counts
+            hello = node_link.recv(sock, timeout=HELLO_TIMEOUT)
+            problem = hello_mismatch(ours, hello, links)
+            node_link.send(sock, NodeReply(ok=problem is None, message=problem or ""))
+        except (node_link.LinkError, OSError) as e:
+            log.warning("dropped a connection to the node link that sent no hello: %s", e)
+            sock.close()
+            continue
         if problem is not None:
             sock.close()
             raise StartupError(f"a node could not join: {problem}")
@@ -325,7 +348,8 @@ def hello_mismatch(ours: NodeHello, hello, links: dict) -> str | None:
         return f"expected a NodeHello, got a {type(hello).__name__}"
     if not 0 < hello.node_rank < ours.nnodes or f"node {hello.node_rank}" in links:
         return f"--node-rank {hello.node_rank} is not free in 1..{ours.nnodes - 1}"
-    for name in ("nnodes", "tp_size", "dtype", "context_length", "model", "version"):
+    for name in ("nnodes", "tp_size", "dtype", "context_length", "model", "version",
+                 "fingerprint", "device"):
         if getattr(hello, name) != getattr(ours, name):
             return (f"node {hello.node_rank} has {name} {getattr(hello, name)!r}, node 0 "
                     f"has {getattr(ours, name)!r}")
@@ -366,12 +390,16 @@ def follow_node(config: ServerConfig) -> int:
         except node_link.LinkError as e:
             log.error("node 0 is gone (%s); leaving", e)
             return 1
-        log.info("node 0 shut down (%s)", getattr(bye, "reason", type(bye).__name__))
-        return 0 if isinstance(bye, NodeBye) else 1
+        if not isinstance(bye, NodeBye):
+            log.error("node 0 sent a %s instead of a goodbye; leaving", type(bye).__name__)
+            return 1
+        (log.info if bye.exit_code == 0 else log.error)("node 0 is going down: %s",
+                                                        bye.reason)
+        return bye.exit_code
     except Shutdown as e:
         log.info("%s: shutting down", e)
         return 0
-    except (StartupError, node_link.LinkError, RuntimeError) as e:
+    except (StartupError, node_link.LinkError, RuntimeError, OSError) as e:
         log.error("startup failed: %s", str(e).strip().splitlines()[-1] if str(e) else e)
         return 1
     finally:
@@ -420,7 +448,8 @@ def serve(config: ServerConfig, listener: socket.socket,
                              api_servers=args.api_server_count, dp_size=args.dp_size,
                              dist_init=split_host_port(args.dist_init_addr)
                              if args.nnodes > 1 else None)
-    use_multiprocess_dir(addrs.ipc_dir)     # before any API process imports prometheus_client
+    if args.api_server_count > 1:   # before any API process imports prometheus_client
+        use_multiprocess_dir(addrs.ipc_dir)
     children = None
     try:
         # The children first: the scheduler's model load is the long pole of startup. The
@@ -428,10 +457,10 @@ def serve(config: ServerConfig, listener: socket.socket,
         # API's inbox is bound).
         children = Children(config, addrs)
         if link_server is not None:
-            children.links = accept_nodes(config, link_server)
+            children.links = accept_nodes(config, link_server, children)
             link_server.close()
         from api_proc.app import build_app
-        from api_proc.server import make_server
+        from api_proc.server import SHUTDOWN_GRACE, make_server
         from api_proc.state import Admission, Dispatcher
         dispatcher = Dispatcher(addrs, Admission(args.max_queued_requests,
                                                  args.request_timeout))
@@ -454,6 +483,7 @@ def serve(config: ServerConfig, listener: socket.socket,
             exit_code = 1
             message = f"The {name} process died ({how}); shutting down."
             log.error(message)
+            children.death = message
             dispatcher.lose_threadsafe(message)
             if children.api_link is not None:
                 children.api_link.tell(ApiControl("lost", message))
@@ -477,7 +507,7 @@ def serve(config: ServerConfig, listener: socket.socket,
     except Shutdown as e:
         log.info("%s during startup: shutting down", e)
         return 0
-    except (RuntimeError, StartupError, node_link.LinkError) as e:
+    except (RuntimeError, StartupError, node_link.LinkError, OSError) as e:
         text = str(e).strip()
         if not log.isEnabledFor(logging.DEBUG):     # tracebacks at --log-level debug only
             text = text.splitlines()[-1] if text else "unknown error"

@@ -92,7 +92,7 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
         load-aware policies (power_of_two) read. num_tokens: KV slots held by requests."""
         return JSONResponse([
             {"dp_rank": r, "num_reqs": x.running + x.queued, "num_waiting_reqs": x.queued,
-             "num_tokens": x.kv_total - x.kv_free - x.kv_evictable}
+             "num_tokens": x.kv_used}
             for r, x in sorted(dispatcher.loads.items())])
 
     async def abort_request(request: Request) -> Response:

@@ -5,10 +5,11 @@ Who measures what (README, "Metrics"):
   the moment the request was accepted (api_proc/timing.py): time to first token, inter-token
   latency (per token: the gap between two outputs divided by the tokens the later one
   brought), end-to-end latency; and count requests (by route and finish reason), prompt,
-  generated and cached tokens, aborted and rejected requests. With --api-server-count N
+  generated and cached tokens, aborted and rejected requests. With --api-server-count N > 1
   these are prometheus_client's multiprocess metrics: each process writes its own files in
-  one directory (MULTIPROC_DIR under the server's private ipc directory) and /metrics, in
-  whichever process answers, adds them all up.
+  one directory (`metrics` in the server's private ipc directory) and /metrics, in
+  whichever process answers, adds them all up. With one API process they are ordinary
+  in-memory metrics.
 - The scheduler measures, on its clock, each request's queue time (arrival at the
   scheduler to its first forward), prefill time (first forward to first token) and decode
   time (first token to the end); they reach the API in the request's last output
@@ -148,8 +149,7 @@ class LoadCollector:
         yield gauge("kv_pool_total_tokens", "KV pool size in tokens.", lambda x: x.kv_total)
         yield gauge("kv_pool_usage", "Share of the KV pool held by requests (not free, not "
                     "an evictable cached prefix).",
-                    lambda x: (x.kv_total - x.kv_free - x.kv_evictable) / x.kv_total
-                    if x.kv_total else 0.0)
+                    lambda x: x.kv_used / x.kv_total if x.kv_total else 0.0)
         yield gauge("kv_pool_cached_share", "Share of the KV pool holding evictable cached "
                     "prefixes.", lambda x: x.kv_evictable / x.kv_total if x.kv_total else 0.0)
         yield gauge("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / "
@@ -176,6 +176,8 @@ class Throughput:
 
     def add(self, total: SchedulerLoad, now: float) -> None:
         s = self.samples
+        if s and now - s[-1][0] >= THROUGHPUT_WINDOW:
+            s.clear()                           # after an idle gap: start a new span
         if s and now - s[-1][0] < 0.2:          # at most 5 a second
             s[-1] = (s[-1][0], total.prompt_tokens_total, total.generated_tokens_total)
             return
@@ -220,7 +222,7 @@ def request_line(rid: str, route: str, out: TextOutput, ttft: float | None,
 
 
 def throughput_line(total: SchedulerLoad, rates: tuple[float, float]) -> str:
-    used = total.kv_total - total.kv_free - total.kv_evictable
+    used = total.kv_used
     hit = total.cached_tokens_total / total.prompt_tokens_total \
         if total.prompt_tokens_total else 0.0
     return (f"running {total.running}, queued {total.queued}; {rates[0]:.1f} tok/s in, "

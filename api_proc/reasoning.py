@@ -12,6 +12,7 @@ from __future__ import annotations
 
 PARSERS = ("qwen3", "deepseek-r1")
 OPEN, CLOSE = "<think>", "</think>"
+MAX_HELD = 64       # characters of leading whitespace held while "<think>" may follow
 
 
 def split(text: str, parser: str) -> tuple[str | None, str]:
@@ -23,7 +24,8 @@ def split(text: str, parser: str) -> tuple[str | None, str]:
 
 class StreamSplitter:
     """feed(delta) -> (reasoning delta, content delta). Text that may be the start of a
-    marker is held back until it is known not to be one (at most len(marker) - 1 chars)."""
+    marker is held back until it is known not to be one (a marker's length, plus at most
+    MAX_HELD characters of leading whitespace)."""
 
     def __init__(self, parser: str):
         if parser not in PARSERS:
@@ -43,7 +45,8 @@ class StreamSplitter:
                 continue
             if self.state in ("start", "opening"):
                 stripped = text.lstrip()
-                if not final and (not stripped or OPEN.startswith(stripped)):
+                if not final and (not stripped or OPEN.startswith(stripped)) \
+                        and len(text) <= MAX_HELD:
                     self.held = text                    # may still become "<think>"
                     break
                 if stripped.startswith(OPEN):

@@ -240,7 +240,11 @@ class Dispatcher:
     @property
     def waiting(self) -> int:
         """Requests in flight that the scheduler is not running (its last word on running
-        may lag a little: this errs towards counting more waiting)."""
+        may lag a little: this errs towards counting more waiting). With other API
+        processes, the server's running count is not ours to subtract: our requests, at
+        most as many as the server has queued."""
+        if self.peers:
+            return min(len(self.states), self.load.queued)
         return max(len(self.states) - self.load.running, 0)
 
     def submit(self, reqs: list[GenerateRequest],

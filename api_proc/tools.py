@@ -102,11 +102,17 @@ def forced_schema(functions: list[dict], choice) -> dict | None:
 
 
 def forced_calls(text: str, choice) -> list[ToolCall]:
-    """The call a constrained output stands for (choice: a name, or "required")."""
-    if choice == "required":
+    """The call a constrained output stands for (choice: a name, or "required"); [] when
+    the output is not a whole call (it stopped at max_tokens inside the JSON): the reply
+    then keeps the text as content, with finish_reason "length"."""
+    try:
         obj = json.loads(text)
-        return [ToolCall(obj["name"], json.dumps(obj["arguments"], ensure_ascii=False))]
-    return [ToolCall(choice, text.strip())]
+    except (ValueError, RecursionError):
+        return []
+    if choice != "required":
+        return [ToolCall(choice, text.strip())] if isinstance(obj, dict) else []
+    call = _call_obj(obj)
+    return [call] if call is not None else []
 
 
 # ---- parsing a model's own tool-call format ("auto") ---------------------------------------
@@ -133,22 +139,40 @@ def parse(text: str, parser: str) -> tuple[str, list[ToolCall]]:
             return text, []
         try:
             items = json.loads(rest.strip())
-        except ValueError:
+        except (ValueError, RecursionError):
             return text, []
         calls = [_call_obj(x) for x in (items if isinstance(items, list) else [items])]
         return (head.strip(), calls) if calls and None not in calls else (text, [])
     if parser == "llama3":
-        body = text.strip().removeprefix("<|python_tag|>").strip()
-        calls = [_call(part) for part in body.split(";") if part.strip()]
-        return ("", calls) if calls and None not in calls else (text, [])
+        calls = _json_objects(text.strip().removeprefix("<|python_tag|>"))
+        return ("", calls) if calls else (text, [])
     raise ValueError(f"unknown tool-call parser {parser!r}")
 
 
 def _call(text: str) -> ToolCall | None:
     try:
         return _call_obj(json.loads(text))
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
+
+
+def _json_objects(text: str) -> list[ToolCall] | None:
+    """Calls written as JSON objects one after another, separated by ";" (Llama 3.x);
+    None unless the whole text is such calls."""
+    decoder, calls, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(text) and (text[i].isspace() or text[i] == ";"):
+            i += 1
+        if i == len(text):
+            return calls or None
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except (ValueError, RecursionError):
+            return None
+        call = _call_obj(obj)
+        if call is None:
+            return None
+        calls.append(call)
 
 
 def _call_obj(obj) -> ToolCall | None:

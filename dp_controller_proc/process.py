@@ -62,8 +62,7 @@ class Controller:
 
     def handle(self, msg) -> None:
         if isinstance(msg, TokenizedRequest):
-            tokens = len(msg.input_ids) + max(msg.sampling.max_new_tokens, 0)
-            self.to_replica(self.policy.pick(tokens), msg)
+            self.to_replica(self.policy.pick(len(msg.input_ids)), msg)
         elif isinstance(msg, (AbortRequest, ReleaseRequest)):
             self.broadcast(msg)
         elif isinstance(msg, FlushCacheRequest):

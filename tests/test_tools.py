@@ -76,3 +76,15 @@ def test_llama3_and_mistral_formats():
     content, calls = parse('[TOOL_CALLS][{"name": "get_time", "arguments": {}}]', "mistral")
     assert content == "" and calls[0].name == "get_time" and calls[0].arguments == "{}"
     assert parse("[TOOL_CALLS] oops", "mistral") == ("[TOOL_CALLS] oops", [])
+
+
+def test_forced_outputs_that_stopped_early_are_not_calls():
+    assert forced_calls('{"city": "Par', "get_weather") == []
+    assert forced_calls('"get_time"', "required") == []
+    assert forced_calls("[" * 100000, "required") == []        # no RecursionError
+
+
+def test_llama3_arguments_may_hold_semicolons():
+    content, calls = parse('{"name": "run", "parameters": {"cmd": "a; b"}}', "llama3")
+    assert content == "" and json.loads(calls[0].arguments) == {"cmd": "a; b"}
+    assert parse("{" * 100000, "llama3")[1] == []

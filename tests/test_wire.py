@@ -119,7 +119,7 @@ SAMPLES: dict[type, list] = {
     m.NodeHello: [m.NodeHello(node_rank=1, nnodes=2, tp_size=4, dtype="float32",
                               context_length=2048, model="LlamaForCausalLM 135M", version="x")],
     m.NodeReply: [m.NodeReply(ok=False, message=UNICODE)],
-    m.NodeBye: [m.NodeBye(reason="")],
+    m.NodeBye: [m.NodeBye(reason=""), m.NodeBye(reason="the scheduler died", exit_code=1)],
     m.ReplicaStatus: [m.ReplicaStatus(load=LOAD, received=12),
                       m.ReplicaStatus(load=m.SchedulerLoad(replica=3, queued_tokens=80,
                                                            running_tokens=1000), received=0)],

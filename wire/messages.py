@@ -185,6 +185,11 @@ class SchedulerLoad(WireStruct):
     queued_tokens: int = 0              # prompt + output tokens of the queued requests
     running_tokens: int = 0             # the same of the running ones
 
+    @property
+    def kv_used(self) -> int:
+        """KV slots held by requests: neither free nor an evictable cached prefix."""
+        return self.kv_total - self.kv_free - self.kv_evictable
+
 
 class TokenBatch(WireStruct, tag=5):
     """One forward step's outputs: one message per step, not per token."""
@@ -323,6 +328,8 @@ class NodeHello(WireStruct, tag=15):
     context_length: int
     model: str                          # the model's facts: architecture, size, vocabulary
     version: str
+    fingerprint: str = ""               # wire.model_path.model_fingerprint
+    device: str = ""                    # --device (gloo ranks cannot meet NCCL ones)
 
 
 class NodeReply(WireStruct, tag=16):
@@ -333,10 +340,12 @@ class NodeReply(WireStruct, tag=16):
 
 
 class NodeBye(WireStruct, tag=17):
-    """Node 0 shuts down on purpose: stop your ranks and exit 0 (a link that closes
-    without this means node 0 died: exit 1)."""
+    """Node 0 is going down: stop your ranks and exit with `exit_code` (0: a shutdown on
+    purpose; 1: a process of node 0 died). A link that closes without this means node 0's
+    launcher itself died: exit 1."""
 
     reason: str
+    exit_code: int = 0
 
 
 # ---- who receives what ------------------------------------------------------------------------

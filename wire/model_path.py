@@ -180,3 +180,19 @@ def describe_source(arg: str | None, resolved: str) -> str:
     if not Path(arg).expanduser().exists():
         return f"hub id {arg}"
     return "model directory"
+
+
+def model_fingerprint(path: str) -> str:
+    """A short digest of a resolved model directory that two machines holding the same
+    checkpoint agree on: config.json's bytes and the name and size of each weight file
+    (for a GGUF sidecar, of the GGUF it stands for). Two fine-tunes of one base differ in
+    their weights' bytes, not always in these: a sanity check, not a proof."""
+    root = Path(path)
+    digest = hashlib.sha256((root / "config.json").read_bytes())
+    weights = sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".gguf"))
+    sidecar = root / SIDECAR_FILE
+    if sidecar.is_file():
+        weights.append(Path(json.loads(sidecar.read_text())["gguf_file"]))
+    for w in weights:
+        digest.update(f"\0{w.name}\0{w.stat().st_size}".encode())
+    return digest.hexdigest()[:16]

@@ -1,9 +1,12 @@
 """The node link (--nnodes > 1): one TCP connection between node 0's launcher and each other
 node's launcher, for two things torch.distributed does not give the launchers:
 
-- Agreement: node r's first frame is a NodeHello (its flags and model); node 0 answers
+- Agreement: node r's first frame is a NodeHello (its flags, device, and the model's facts
+  and fingerprint: config.json and the weight files' names and sizes); node 0 answers
   NodeReply, not ok when they differ, so a mismatch is a one-line startup error on both
-  nodes instead of a hang in the rendezvous or wrong outputs.
+  nodes instead of a hang in the rendezvous or wrong outputs. (Two checkpoints with the
+  same config and file sizes but other weights would pass: it is a sanity check.)
+  A connection that sends no hello within 10 s is dropped (a port scan, a probe).
 - Liveness: the connection then stays open and silent. A launcher that dies closes it (the
   kernel does, whatever killed it), and a host that vanishes is found by TCP keepalive
   (KEEPALIVE_* below, ~11 s). Each launcher waits on it next to its children's sentinels:
