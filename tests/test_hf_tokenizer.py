@@ -337,3 +337,24 @@ def test_templates_without_a_default_fail_the_same(tiny_model, tmp_path):
 def test_a_directory_without_tokenizer_json_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         HFTokenizer.from_dir(tmp_path)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather.",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string"}}}}}]
+TOOL_TEMPLATE = ("{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}"
+                 "{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                 "{% if enable_thinking is defined and not enable_thinking %}no-think{% endif %}")
+
+
+def test_tools_and_template_kwargs_render_as_transformers_renders_them(tiny_model):
+    ours = HFTokenizer.from_dir(tiny_model("llama"))
+    theirs = AutoTokenizer.from_pretrained(str(tiny_model("llama")))
+    ours.chat_template = theirs.chat_template = TOOL_TEMPLATE
+    chat = MESSAGES[0]
+    for kwargs in ({}, {"enable_thinking": False}):
+        assert ours.apply_chat_template(chat, tools=TOOLS, **kwargs) == \
+            theirs.apply_chat_template(chat, tools=TOOLS, tokenize=False, **kwargs)
+    assert ours.uses_tools(TOOLS)
+    ours.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert not ours.uses_tools(TOOLS)

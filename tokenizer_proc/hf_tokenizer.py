@@ -195,20 +195,34 @@ class HFTokenizer:
 
     # ---- chat -----------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
+                            tools: list[dict] | None = None, **template_kwargs) -> str:
         """The rendered conversation (transformers' apply_chat_template(tokenize=False)),
-        to be encoded with add_special_tokens=False. Raises ValueError without a template,
-        jinja2's errors (TemplateError from raise_exception) on a failing one."""
-        template = self._template()
+        to be encoded with add_special_tokens=False. `tools`: OpenAI tool definitions, for
+        templates that render them; `template_kwargs`: extra template variables (a chat
+        request's chat_template_kwargs, e.g. enable_thinking). Raises ValueError without a
+        template, jinja2's errors (TemplateError from raise_exception) on a failing one."""
+        template = self._template(tools)
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        return _compile(template).render(messages=messages, tools=None, documents=None,
+        variables = {**self.special_tokens_map, **template_kwargs}
+        return _compile(template).render(messages=messages, tools=tools, documents=None,
                                          add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens_map)
+                                         **variables)
 
-    def _template(self) -> str:
-        """PreTrainedTokenizerBase.get_chat_template(None, tools=None)."""
+    def uses_tools(self, tools: list[dict] | None = None) -> bool:
+        """Whether the chat template renders `tools` at all (else the model never sees
+        them, and the caller must describe them another way)."""
+        try:
+            return "tools" in self._template(tools)
+        except ValueError:
+            return False
+
+    def _template(self, tools: list[dict] | None = None) -> str:
+        """PreTrainedTokenizerBase.get_chat_template(None, tools)."""
         template = self.chat_template
         if isinstance(template, dict):
+            if tools and "tool_use" in template:
+                return template["tool_use"]
             if "default" not in template:
                 raise ValueError(f"This model has multiple chat templates with no default: "
                                  f"{sorted(template)}.")
