@@ -15,7 +15,11 @@ Choices made where OpenAI, vLLM and SGLang leave room (README lists them):
 - `seed` with n > 1: sample j uses seed + j, so the samples differ yet are reproducible.
 - Text content parts are joined with "\n" (vLLM); any other part type is a 400.
 - Unknown fields are ignored (as vLLM and SGLang do); known OpenAI features we do not have
-  (tools, response_format other than text, suffix, best_of != n, ...) are a 400.
+  (tools, suffix, best_of != n, ...) are a 400.
+- Structured outputs, on both routes: `response_format` {"type": "json_object"} (any JSON
+  object) or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}} (the
+  schema is always enforced, whatever `strict` says), and SGLang's extra fields `regex`,
+  `ebnf`, `json_schema`; at most one constraint per request (scheduler_proc/grammar.py).
 - finish_reason: length -> "length", stop -> "stop" (plus SGLang's `matched_stop`), an abort
   with no HTTP status (e.g. /abort_request) -> "abort"; an abort with a status is an error
   response, or an `{"error": ...}` event in a stream that has started.
@@ -46,7 +50,7 @@ from api_proc.state import Dispatcher, RequestState, SubmitError
 from api_proc.streaming import DONE, SSEResponse, changes, sse
 from wire.messages import (MAX_TOP_LOGPROBS, ChatMessage, FinishReason, GenerateRequest,
                            LogprobRequest, Logprobs, TextOutput)
-from wire.sampling import SamplingError, SamplingParams
+from wire.sampling import GRAMMAR_KEYS, SamplingError, SamplingParams
 from wire.server_args import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -70,7 +74,10 @@ SAMPLING_FIELDS = {
     "spaces_between_special_tokens": "spaces_between_special_tokens",
     "no_stop_trim": "no_stop_trim", "seed": "sampling_seed", "min_tokens": "min_new_tokens",
     "logit_bias": "logit_bias", "n": "n",
+    "regex": "regex", "ebnf": "ebnf", "json_schema": "json_schema",     # SGLang's extras
 }
+RESPONSE_FORMAT_KEYS = {"type", "json_schema"}
+JSON_SCHEMA_FORMAT_KEYS = {"name", "description", "schema", "strict"}
 
 
 class OpenAIError(BadRequest):
@@ -148,6 +155,47 @@ def _reject_unsupported(body: dict, checks: dict[str, Any]) -> None:
             raise OpenAIError(f"{key}={json.dumps(body[key])} is not supported.", param=key)
 
 
+def _response_format(body: dict) -> dict | None:
+    """The JSON schema that `response_format` asks for, or None (absent, or "text")."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise OpenAIError("response_format must be an object with a string 'type'.",
+                          param="response_format")
+    extra = sorted(set(fmt) - RESPONSE_FORMAT_KEYS)
+    if extra:
+        raise OpenAIError(f"Unknown field(s) in response_format: {', '.join(extra)}.",
+                          param="response_format")
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise OpenAIError(f"response_format type {json.dumps(kind)} is not supported (text, "
+                          f"json_object or json_schema).", param="response_format")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise OpenAIError("response_format.json_schema must be an object with 'name' and "
+                          "'schema'.", param="response_format")
+    extra = sorted(set(spec) - JSON_SCHEMA_FORMAT_KEYS)
+    if extra:
+        raise OpenAIError(f"Unknown field(s) in response_format.json_schema: "
+                          f"{', '.join(extra)}.", param="response_format")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise OpenAIError("response_format.json_schema.name must be a non-empty string.",
+                          param="response_format")
+    if spec.get("strict") is not None and type(spec["strict"]) is not bool:
+        raise OpenAIError("response_format.json_schema.strict must be a boolean.",
+                          param="response_format")
+    schema = spec.get("schema")
+    if type(schema) is not dict:
+        raise OpenAIError("response_format.json_schema.schema must be a JSON Schema object.",
+                          param="response_format")
+    return schema
+
+
 def _sampling(body: dict, max_tokens_key: str | None,
               default_max_tokens: int | None) -> SamplingParams:
     """The SGLang sampling dict from the OpenAI fields, validated by from_json."""
@@ -160,11 +208,20 @@ def _sampling(body: dict, max_tokens_key: str | None,
         max_tokens = default_max_tokens
     if max_tokens is not None:
         raw["max_new_tokens"] = max_tokens
+    schema = _response_format(body)
+    if schema is not None:
+        if any(k in raw for k in GRAMMAR_KEYS):
+            raise OpenAIError("Only one of regex, json_schema, or ebnf can be set (a JSON "
+                              "response_format counts as json_schema).",
+                              param="response_format")
+        raw["json_schema"] = schema
     try:
         return SamplingParams.from_json(raw)
     except SamplingError as e:      # name the OpenAI field the sampling key came from
         names = {v: k for k, v in SAMPLING_FIELDS.items()}
         names["max_new_tokens"] = max_tokens_key or "max_tokens"
+        if schema is not None:
+            names["json_schema"] = "response_format"
         raise OpenAIError(str(e), param=names.get(e.key)) from None
 
 
@@ -262,7 +319,6 @@ def parse_chat(body: Any, model_id: str, context_length: int) -> ParsedOpenAI:
     _reject_unsupported(body, {
         "tools": lambda v: v == [], "functions": lambda v: v == [],
         "tool_choice": lambda v: v == "none", "function_call": lambda v: v == "none",
-        "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
         "add_generation_prompt": lambda v: v is True,
         "continue_final_message": lambda v: v is False,
         "chat_template_kwargs": lambda v: v == {}, "audio": lambda v: False,

@@ -55,8 +55,9 @@ def expand(prompts: list[Prompt], params: list[SamplingParams], rids: list[str],
     reqs, warmups = [], []
     for prompt, p in zip(prompts, params):
         if p.n > 1:
-            warmups.append(prompt.request(uuid.uuid4().hex,
-                                          replace(p, n=1, max_new_tokens=0, min_new_tokens=0)))
+            warmups.append(prompt.request(uuid.uuid4().hex,      # no grammar: no tokens
+                                          replace(p, n=1, max_new_tokens=0, min_new_tokens=0,
+                                                  json_schema=None, regex=None, ebnf=None)))
         for one in sample_params(p, p.n):
             reqs.append(prompt.request(rids[len(reqs)], one, stream=stream, logprob=logprob,
                                        fit_context=fit_context))

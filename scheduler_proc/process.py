@@ -118,6 +118,7 @@ def build_scheduler(config: ServerConfig, addrs: Addresses, replica: int, group)
     """Rank 0 of a replica: the model (this rank's shard), the KV manager, the sockets and
     the Scheduler core. Returns (scheduler, inbox, ready info); under tensor parallelism
     it returns once every rank holds its shard and its copy of the request table."""
+    from scheduler_proc.grammar import GrammarCompiler
     from scheduler_proc.kv_manager import KVManager
     from scheduler_proc.runner import ModelRunner
     from scheduler_proc.scheduler import Scheduler
@@ -127,6 +128,7 @@ def build_scheduler(config: ServerConfig, addrs: Addresses, replica: int, group)
                    context_len=config.context_length, device=runner.device,
                    use_cache=not args.disable_radix_cache)
     runner.share_table(kv.req_to_token)
+    grammars = GrammarCompiler(config.tokenizer_path, runner.config.vocab_size, runner.eos_ids)
     ctx = zmq.Context()
     inbox = Inbox(ctx, addrs.replicas[replica], SCHEDULER_INBOX)
     outbox = Outbox(ctx, addrs.detokenizer)
@@ -136,14 +138,14 @@ def build_scheduler(config: ServerConfig, addrs: Addresses, replica: int, group)
         def send(batch: TokenBatch) -> None:
             outbox.send(batch)
             controller.send(ReplicaStatus(batch.load, scheduler.received_total))
-        scheduler = Scheduler(args, runner, kv, send, controller.send, replica)
+        scheduler = Scheduler(args, runner, kv, send, controller.send, replica, grammars)
     else:
         to_api = [Outbox(ctx, a) for a in addrs.api]
 
         def reply(msg: ControlReply) -> None:
             if 0 <= msg.api < len(to_api):      # else a forged request's: nobody asked
                 to_api[msg.api].send(msg)
-        scheduler = Scheduler(args, runner, kv, outbox.send, reply)
+        scheduler = Scheduler(args, runner, kv, outbox.send, reply, grammars=grammars)
     info = {"max_total_tokens": runner.pool_size, "context_length": config.context_length,
             "dtype": config.dtype, "device": str(runner.device)}
     return scheduler, inbox, info

@@ -18,7 +18,7 @@ class Req:
     __slots__ = ("rid", "api", "input_ids", "sampling", "stream", "output_ids", "slots", "row",
                  "prefix_node", "prefix_len", "cached_tokens", "arrived_at", "queue_time",
                  "finish", "announced", "first_token_at", "generator", "logprob", "input_logprobs",
-                 "pending_logprobs", "held_ids")
+                 "pending_logprobs", "held_ids", "grammar", "grammar_future")
 
     def __init__(self, msg: TokenizedRequest, device: torch.device | str = "cpu"):
         self.rid = msg.rid
@@ -38,6 +38,10 @@ class Req:
         self.finish: FinishReason | None = None
         self.announced = False               # has the detokenizer seen DecodeParams yet
         self.held_ids: list[int] = []        # sampled, not sent yet (see Scheduler.emit)
+        # Constrained decoding (scheduler_proc/grammar.py): the compile in progress, then
+        # this request's matcher, which has consumed exactly output_ids.
+        self.grammar_future = None
+        self.grammar = None
         seed = msg.sampling.sampling_seed
         # On the model's device: torch.multinomial needs a generator where the probs are.
         self.generator = None if seed is None else seeded_generator(seed % 2**64, device)

@@ -58,7 +58,7 @@ from scheduler_proc.attention import StepAttention, decode_kernel_fits
 from scheduler_proc.models import ModelConfig, load_model
 from scheduler_proc.pool import KVCache, ReqToToken
 from scheduler_proc.request import Req
-from scheduler_proc.sampler import sample_tokens, token_logprobs
+from scheduler_proc.sampler import constrain, sample_tokens, token_logprobs
 from scheduler_proc.tp import SOLO, TPFault, rank_device
 from wire.codec import encode
 from wire.messages import StepPlan, TableWrite, TPInit
@@ -322,6 +322,11 @@ def sample_isolated(logits: torch.Tensor, reqs: list[Req],
 
 
 def _sample(logits: torch.Tensor, reqs: list[Req], eos_ids: list[int]) -> list[int]:
+    """Constrained rows are masked by their grammars first (sampler.constrain), so their
+    tokens and their logprobs come from the masked distribution; each matcher is advanced
+    by the scheduler once the step's tokens are final (a row re-sampled alone after a
+    failed batch attempt must see the same matcher)."""
+    logits = constrain(logits, reqs)
     next_ids = sample_tokens(logits, reqs, eos_ids)
     for i, req in enumerate(reqs):
         if req.logprob is not None:

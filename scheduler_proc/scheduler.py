@@ -29,6 +29,16 @@ computed before the failed step. Anything else that raises (the bookkeeping itse
 pool, radix tree, request table) leaves the state unknown and ends the process, as does a
 CUDA error other than out-of-memory (runner.leaves_device_unknown).
 
+Constrained decoding (grammar.py): a request with a json_schema, regex or ebnf first waits
+in `compiling`, holding no KV, while the `grammars` compiler builds its matcher on a thread
+pool (cached by the grammar's text); it joins the queue once the matcher is ready, or ends
+with a 400 if the grammar does not compile. Aborts and releases reach it there like anywhere
+else. While nothing else can run the loop blocks on the compiles (GRAMMAR_WAIT at a time),
+never spinning. After each sampled token the request's matcher consumes it; a grammar that
+is complete ends the request with finish reason stop (matched: that token), also when the
+same token reaches max_new_tokens. A retracted request keeps its output ids, so its matcher
+stays valid (Matcher.sync checks).
+
 Overload (--max-queued-requests N): of the requests that arrived with a step's messages,
 those still waiting after the step's admission while more than N wait are ended with an
 abort, status 503, newest first. Requests retracted to the queue are never dropped.
@@ -45,8 +55,11 @@ import math
 import os
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from typing import Callable
 
+from scheduler_proc.grammar import GrammarError
 from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.request import Req
 from scheduler_proc.runner import Segment, leaves_device_unknown
@@ -63,6 +76,7 @@ INIT_NEW_TOKEN_RATIO = 0.7  # share of a request's remaining max_new_tokens rese
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600   # per step
 HELD_OUTPUT_INTERVAL = 50   # tokens a non-streaming request's output may wait (see emit)
+GRAMMAR_WAIT = 0.05         # seconds the idle loop blocks on grammar compiles at a time
 STALL_ENV = "ZSERVE_TEST_STALL_AFTER_STEPS"
 LOG_RID_CHARS = 80          # a forged rid can be megabytes long: log only its start
 
@@ -72,12 +86,14 @@ LOG_RID_CHARS = 80          # a forged rid can be megabytes long: log only its s
 class Scheduler:
     def __init__(self, args: ServerArgs, runner, kv: KVManager,
                  send: Callable[[TokenBatch], None], reply: Callable[[ControlReply], None],
-                 replica: int = 0):
+                 replica: int = 0, grammars=None):
         """`runner` is a ModelRunner (or a test's stand-in with the same attributes: device,
         context_len, config, forward); `kv` allocates the KV slots of the runner's buffers
         and has a table row for each of args.max_running_requests; `send` takes each
         step's TokenBatch, `reply` each ControlReply. `replica`: which data-parallel
-        replica this is (--dp-size), named in every load it reports."""
+        replica this is (--dp-size), named in every load it reports. `grammars`: a
+        grammar.GrammarCompiler (or a test's stand-in with compile and matcher); without
+        one, constrained requests are refused with a 400."""
         self.args = args
         self.replica = replica
         self.runner = runner
@@ -85,6 +101,8 @@ class Scheduler:
         self.send, self.reply = send, reply
         self.eos_ids = set(runner.config.eos_token_ids)
         self.vocab_size = runner.config.vocab_size
+        self.grammars = grammars
+        self.compiling: list[Req] = []            # waiting for their grammar, in arrival order
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []              # in admission order
         self.in_flight: dict[str, Req] = {}       # rid -> its Req, waiting or running
@@ -107,17 +125,20 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not (self.waiting or self.running)
+        return not (self.waiting or self.running or self.compiling)
 
     def step(self, msgs: list) -> None:
         """Handle the messages received since the last step, run one model step if there is
         work, and send the step's outputs."""
         for msg in msgs:
             self.handle(msg)
+        self.collect_grammars()
         segments = self.schedule()
         self.limit_queue()
         if segments:
             self.run(segments)
+        elif self.compiling:
+            self.wait_grammars(GRAMMAR_WAIT)
         if self.outputs:
             self.send(TokenBatch(outputs=self.outputs, load=self.load()))
             self.outputs = []
@@ -180,10 +201,14 @@ class Scheduler:
                 message=f"The request needs {req.max_total_tokens} KV slots (prompt + "
                         f"max_new_tokens) but the pool has {self.kv.pool.size}."))
         else:
-            self.waiting.append(req)
             self.in_flight[req.rid] = req
             self.arrivals.append(req)
             self.requests_total += 1
+            if req.sampling.grammar is not None:
+                req.grammar_future = self.grammars.compile(req.sampling.grammar)
+                self.compiling.append(req)
+            else:
+                self.waiting.append(req)
 
     def check(self, msg: TokenizedRequest) -> str | None:
         """Why msg cannot run here (a client-facing message), or None. Repeats what the
@@ -211,6 +236,8 @@ class Scheduler:
                     f"{lp.top_logprobs_num}.")
         if lp is not None and lp.start_len < -1:
             return f"logprob_start_len must be at least -1, got {lp.start_len}."
+        if s.grammar is not None and self.grammars is None:
+            return "Constrained decoding (json_schema, regex, ebnf) is not available here."
         return None
 
     def reject(self, msg: TokenizedRequest, message: str) -> None:
@@ -235,17 +262,22 @@ class Scheduler:
                                    min_new_tokens=min(s.min_new_tokens, room))
 
     def limit_queue(self) -> None:
-        """--max-queued-requests: see the module docstring."""
+        """--max-queued-requests: see the module docstring. Requests waiting for their
+        grammar count as waiting."""
         arrivals, self.arrivals = self.arrivals, []
         limit = self.args.max_queued_requests
-        if limit is None or len(self.waiting) <= limit:
+        queued = len(self.waiting) + len(self.compiling)
+        if limit is None or queued <= limit:
             return
-        fresh = {id(r) for r in arrivals}
-        while len(self.waiting) > limit and id(self.waiting[-1]) in fresh:
-            self.finish(self.waiting[-1], FinishReason(
-                type="abort", status_code=503,
-                message=f"The request queue is full ({limit} requests waiting); try again "
-                        f"later."))
+        for req in reversed(arrivals):            # newest first
+            if queued <= limit:
+                break
+            if req.finish is None and req.row is None:    # not admitted, not ended
+                self.finish(req, FinishReason(
+                    type="abort", status_code=503,
+                    message=f"The request queue is full ({limit} requests waiting); try "
+                            f"again later."))
+                queued -= 1
 
     def abort(self, msg: AbortRequest) -> None:
         if msg.abort_all:
@@ -266,6 +298,52 @@ class Scheduler:
             if now - t <= EARLY_ABORT_TTL and len(self.early_aborts) <= MAX_EARLY_ABORTS:
                 return
             del self.early_aborts[rid]
+
+    # ---- grammars -----------------------------------------------------------------------
+
+    def collect_grammars(self) -> None:
+        """Requests whose grammar compile is done join the queue with their own matcher, or
+        end with a 400 naming the problem (a fault in the compiler itself: 500)."""
+        for req in [r for r in self.compiling if r.grammar_future.done()]:
+            self.compiling.remove(req)
+            fut, req.grammar_future = req.grammar_future, None
+            try:
+                req.grammar = self.grammars.matcher(fut)
+            except GrammarError as e:
+                self.rejected_total += 1
+                log.info("rejected request %r: %s", req.rid[:LOG_RID_CHARS], e)
+                self.finish(req, FinishReason(type="abort", status_code=400, message=str(e)))
+                continue
+            except Exception as e:                # noqa: BLE001 - this request's fault only
+                log.error("compiling the grammar of %r failed", req.rid[:LOG_RID_CHARS],
+                          exc_info=e)
+                self.finish(req, FinishReason(
+                    type="abort", status_code=500,
+                    message=f"Internal error while compiling this request's grammar: "
+                            f"{type(e).__name__}: {e}"))
+                continue
+            self.waiting.append(req)
+
+    def wait_grammars(self, timeout: float) -> None:
+        """Block until some compile is done or `timeout` seconds pass (the idle loop's wait
+        while only compiles are pending: process.py then polls its inbox and steps)."""
+        wait_futures([r.grammar_future for r in self.compiling], timeout=timeout,
+                     return_when=FIRST_COMPLETED)
+
+    def advance_grammar(self, req: Req, token: int) -> FinishReason | None:
+        """Feed a constrained request's matcher its new token (already in output_ids); the
+        reason it ends now, if it does."""
+        if req.grammar is None:
+            return None
+        if not req.grammar.consume(token):        # the mask allowed it: never expected
+            log.error("the grammar of %r rejected sampled token %d: %s",
+                      req.rid[:LOG_RID_CHARS], token, req.grammar.error)
+            return FinishReason(type="abort", status_code=500,
+                                message=f"Internal error: the grammar rejected sampled token "
+                                        f"{token}.")
+        if req.grammar.stopped:
+            return FinishReason(type="stop", matched_token=token)
+        return None
 
     # ---- scheduling ---------------------------------------------------------------------
 
@@ -339,6 +417,8 @@ class Scheduler:
         self.kv.release(req)
         if not req.announced:
             req.reset_input_logprobs()
+        if req.grammar is not None:
+            req.grammar.sync(req.output_ids)      # a no-op: the output ids are kept
         self.running.remove(req)
         self.waiting.appendleft(req)
         self.retracted_total += 1
@@ -364,7 +444,7 @@ class Scheduler:
             if req.first_token_at is None:
                 req.first_token_at = time.monotonic()
             req.output_ids.append(token)
-            reason = self.check_finished(req, token)
+            reason = self.advance_grammar(req, token) or self.check_finished(req, token)
             if reason is not None:
                 self.finish(req, reason, new_ids=[token])
             else:
@@ -400,6 +480,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.compiling:
+            self.compiling.remove(req)            # its compile goes on for the cache
         if self.in_flight.get(req.rid) is req:
             del self.in_flight[req.rid]
         req.finish = reason
@@ -432,7 +514,7 @@ class Scheduler:
     # ---- introspection ------------------------------------------------------------------
 
     def flush_cache(self, req_id: str, api: int) -> None:
-        if self.running or self.waiting:
+        if self.running or self.waiting or self.compiling:
             ok, message = False, "Cache not flushed because there are pending requests."
         else:
             self.kv.flush()
@@ -444,7 +526,7 @@ class Scheduler:
         pool = self.kv.pool
         self.seq += 1
         return SchedulerLoad(seq=self.seq, replica=self.replica, running=len(self.running),
-                             queued=len(self.waiting),
+                             queued=len(self.waiting) + len(self.compiling),
                              kv_total=pool.size, kv_free=pool.num_free,
                              kv_evictable=self.kv.evictable,
                              prompt_tokens_total=self.prompt_tokens_total,
@@ -453,5 +535,6 @@ class Scheduler:
                              rejected_total=self.rejected_total,
                              requests_total=self.requests_total,
                              cached_tokens_total=self.cached_tokens_total,
-                             queued_tokens=sum(r.seq_len for r in self.waiting),
+                             queued_tokens=sum(r.seq_len for r in self.waiting)
+                             + sum(r.seq_len for r in self.compiling),
                              running_tokens=sum(r.seq_len for r in self.running))

@@ -314,3 +314,33 @@ def test_sglang_default_fields_are_accepted():
 def test_sglang_features_we_lack_are_400_naming_the_field(field, value):
     with pytest.raises(BadRequest, match=f"not supported by zserve: {field}"):
         parse_generate({"text": "a", field: value})
+
+
+# ---- constrained decoding ---------------------------------------------------------------------
+
+def test_constraints_in_sampling_params():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    p = parse_generate({"text": ["a", "b"], "sampling_params": [
+        {"json_schema": schema}, {"regex": r"\d{4}", "n": 2}]})
+    assert p.requests[0].sampling.json_schema == '{"type":"object","properties":{"a":' \
+                                                 '{"type":"integer"}}}'
+    assert [r.sampling.regex for r in p.requests[1:]] == [r"\d{4}"] * 2
+    # the n > 1 warm-up only prefills the prompt: it carries no grammar to compile
+    [warmup] = p.warmups
+    assert warmup.sampling.grammar is None and warmup.sampling.max_new_tokens == 0
+    assert parse_generate({"text": "a", "sampling_params": {"ebnf": 'root ::= "x"'}}
+                          ).requests[0].sampling.ebnf == 'root ::= "x"'
+
+
+@pytest.mark.parametrize("sampling, match", [
+    ({"regex": "a", "json_schema": {}}, "Only one of regex, json_schema, or ebnf can be set."),
+    ({"json_schema": "not json"}, "json_schema is not valid JSON"),
+    ({"regex": ""}, "sampling_params.regex must not be empty."),
+    ({"stop_regex": "x"}, "Sampling parameter 'stop_regex' is not supported."),
+])
+def test_bad_constraints_are_400(sampling, match):
+    _bad({"text": "a", "sampling_params": sampling}, match)
+
+
+def test_constraints_are_sampling_params_not_top_level_fields():
+    _bad({"text": "a", "regex": "x"}, "Unknown field(s) in the request: regex.")

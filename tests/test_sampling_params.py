@@ -1,9 +1,11 @@
 """SamplingParams.from_json: the HTTP boundary for sampling_params (SGLang's defaults/messages)."""
 
+import json
+
 import msgspec
 import pytest
 
-from wire.sampling import SamplingParams
+from wire.sampling import SamplingError, SamplingParams
 
 
 def test_defaults_match_sglang():
@@ -13,7 +15,8 @@ def test_defaults_match_sglang():
             frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0,
             min_new_tokens=0, stop=[], stop_token_ids=[], ignore_eos=False,
             skip_special_tokens=True, spaces_between_special_tokens=True, no_stop_trim=False,
-            n=1, sampling_seed=None, logit_bias=None)
+            n=1, sampling_seed=None, logit_bias=None, json_schema=None, regex=None,
+            ebnf=None)
         assert not p.is_greedy
 
 
@@ -43,8 +46,11 @@ def test_int_for_float_and_str_stop_and_nulls():
     assert SamplingParams.from_json({k: None for k in ("temperature", "top_p", "top_k", "n",
                                      "stop", "stop_token_ids", "ignore_eos", "sampling_seed",
                                      "logit_bias")}) == SamplingParams()
-    # SGLang parameters we do not implement are tolerated when null
-    assert SamplingParams.from_json({"regex": None, "json_schema": None}) == SamplingParams()
+    # SGLang parameters we do not implement are tolerated when null, and so are the
+    # constraints
+    assert SamplingParams.from_json({"regex": None, "json_schema": None, "ebnf": None,
+                                     "stop_regex": None, "structural_tag": None}) == \
+        SamplingParams()
 
 
 def test_greedy():
@@ -61,7 +67,22 @@ def test_greedy():
     ("x", "sampling_params must be an object, got str."),
     ({"foo": 1}, "Unknown sampling parameter 'foo'."),
     ({"max_tokens": 1}, "Unknown sampling parameter 'max_tokens'."),
-    ({"regex": "a+"}, "Sampling parameter 'regex' is not supported."),
+    ({"stop_regex": "a+"}, "Sampling parameter 'stop_regex' is not supported."),
+    ({"structural_tag": "{}"}, "Sampling parameter 'structural_tag' is not supported."),
+    ({"regex": 1}, "sampling_params.regex must be a string, got int."),
+    ({"regex": ""}, "sampling_params.regex must not be empty."),
+    ({"ebnf": ["root ::= x"]}, "sampling_params.ebnf must be a string, got list."),
+    ({"regex": "a" * 1_000_001}, "sampling_params.regex may be at most 1000000 characters "
+                                 "long, got 1000001."),
+    ({"json_schema": 3}, "json_schema must be a JSON object (a JSON Schema), got int."),
+    ({"json_schema": "[1]"}, "json_schema must be a JSON object (a JSON Schema), got list."),
+    ({"json_schema": "{"}, "json_schema is not valid JSON: Expecting property name enclosed "
+                           "in double quotes: line 1 column 2 (char 1)."),
+    ({"json_schema": {"maximum": float("nan")}},
+     "json_schema is not valid JSON: Out of range float values are not JSON compliant."),
+    ({"regex": "a", "ebnf": "root ::= \"a\""},
+     "Only one of regex, json_schema, or ebnf can be set."),
+    ({"json_schema": {}, "regex": "a"}, "Only one of regex, json_schema, or ebnf can be set."),
     ({"top_p": "0.5"}, "sampling_params.top_p must be a number, got str."),
     ({"temperature": True}, "sampling_params.temperature must be a number, got bool."),
     ({"max_new_tokens": 1.0}, "sampling_params.max_new_tokens must be an integer, got float."),
@@ -145,7 +166,7 @@ def test_verify_vocab():
 def test_annotations_are_wire_types():
     # The codec rebuilds SamplingParams from these annotations.
     allowed = [int, float, str, bool, list[int], list[str], dict[str, float], int | None,
-               dict[str, float] | None]
+               dict[str, float] | None, str | None]
     for f in msgspec.structs.fields(SamplingParams):
         assert f.type in allowed, f.name
 
@@ -188,6 +209,10 @@ def test_float32_extremes_that_fit_are_accepted():
     (SamplingParams(logit_bias={"10": 1.0}), "logit_bias must has keys in [0, 9], got 10."),
     (SamplingParams(logit_bias={"1": float("nan")}), "logit_bias values must be finite"),
     (SamplingParams(sampling_seed=-(2**63) - 1), "sampling_seed must fit in 64 bits"),
+    (SamplingParams(regex=""), "sampling_params.regex must not be empty."),
+    (SamplingParams(json_schema="[]"), "json_schema must be a JSON object"),
+    (SamplingParams(json_schema="{"), "json_schema is not valid JSON"),
+    (SamplingParams(regex="a", ebnf="b"), "Only one of regex, json_schema, or ebnf"),
 ], ids=str)
 def test_verify_checks_params_that_skipped_from_json(params, message):
     # A TokenizedRequest decoded off the scheduler's socket carries SamplingParams built by
@@ -202,3 +227,31 @@ def test_verify_accepts_what_from_json_builds():
                                   "temperature": 0.5, "sampling_seed": 7})
     p.verify(vocab_size=10)
     SamplingParams().verify()
+
+
+# ---- constraints --------------------------------------------------------------------------
+
+def test_constraints_are_kept_and_the_schema_travels_as_compact_json():
+    schema = {"type": "object", "properties": {"b": {"enum": ["é", 1]}, "a": {}}}
+    p = SamplingParams.from_json({"json_schema": schema})
+    assert p.json_schema == '{"type":"object","properties":{"b":{"enum":["\\u00e9",1]},"a":{}}}'
+    assert json.loads(p.json_schema) == schema            # key order kept: it is output order
+    assert p.grammar == ("json_schema", p.json_schema)
+    # a string holding the schema (SGLang's form) is the same constraint: one cache entry
+    assert SamplingParams.from_json({"json_schema": json.dumps(schema, indent=2)}) == p
+    with pytest.raises(SamplingError, match="must be a JSON object"):
+        SamplingParams.from_json({"json_schema": True})
+    assert SamplingParams.from_json({"regex": r"\d+"}).grammar == ("regex", r"\d+")
+    assert SamplingParams.from_json({"ebnf": 'root ::= "a"'}).grammar == ("ebnf", 'root ::= "a"')
+    assert SamplingParams().grammar is None
+    p.verify(vocab_size=10)
+
+
+def test_with_json_schema_is_the_internal_way_to_constrain():
+    p = SamplingParams.from_json({"regex": "a+", "temperature": 0})
+    q = p.with_json_schema({"type": "integer"})
+    assert q.grammar == ("json_schema", '{"type":"integer"}') and q.regex is None
+    assert q.temperature == 0 and p.regex == "a+"          # a copy
+    with pytest.raises(SamplingError, match="must be a JSON object") as e:
+        p.with_json_schema([1])
+    assert e.value.key == "json_schema"

@@ -5,11 +5,13 @@ KV computed for the same tokens).
 Each seeded run picks a small KV pool, --max-running-requests, a prefill chunk, the radix
 cache on or off and sometimes a queue limit, then sends random messages: arrivals (prompts
 cut from a few shared bases, so the prefix cache matters, with random max_new_tokens, stop
-ids, min_new_tokens, streaming, logprobs, fit_context; a few invalid or too big for the
-pool; fewer while the queue is long), duplicate and empty rids, aborts of running, queued,
+ids, min_new_tokens, streaming, logprobs, fit_context, grammars; a few invalid or too big
+for the pool; fewer while the queue is long), duplicate and empty rids, aborts of running, queued,
 finished, unknown and not yet arrived rids, abort_all, releases, flushes, and injected
 forward and sampling failures. Pools are small, so admission overcommits and requests are
-retracted.
+retracted. A grammar (test_scheduler_unit's FakeGrammars: complete after N tokens, or one
+that fails to compile) compiles over a random number of steps; its requests wait without KV
+meanwhile.
 
 After every step: the KV invariants (KVManager.check; the radix tree's own every 4th step
 and when idle), every request not yet ended is in flight and nothing else is, a waiting
@@ -18,7 +20,8 @@ model's tokens depend only on the position, so a retraction must neither lose no
 one), its logprobs match its tokens and its prompt's are whole, and when idle
 free + evictable == total with every table row free. Every accepted request gets exactly
 one terminal output and nothing after it; one not aborted, released or failed ends by its
-length or stop token exactly where it should. A failure names the seed; rerun one with
+grammar, length or stop token exactly where it should, or with a 400 if its grammar does
+not compile. A failure names the seed; rerun one with
 -k "seed-N".
 """
 
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from scheduler_proc import scheduler as scheduler_mod
 from test_scheduler_unit import CONTEXT, VOCAB, RunnerCheckFailed, make, token_after
 from wire.messages import (AbortRequest, FlushCacheRequest, LogprobRequest, ReleaseRequest,
                            TokenizedRequest)
@@ -53,6 +57,8 @@ class Expect:
     logprob: LogprobRequest | None
     input_ids: list[int]
     reject: bool = False                  # must end with a 400 before running
+    grammar_len: int | None = None        # its grammar is complete after this many tokens
+    bad_grammar: bool = False             # its grammar does not compile
     causes: set[str] = field(default_factory=set)   # "abort", "release", "early"
     ids: list[int] = field(default_factory=list)
     outputs: int = 0
@@ -62,6 +68,8 @@ class Expect:
         """("length" | "stop", tokens generated) as check_finished decides it."""
         for i in range(self.max_new):
             n = i + 1
+            if n == self.grammar_len:         # the grammar wins over the length
+                return "stop", n
             if n >= self.max_new:
                 return "length", n
             if n > self.min_new and token_after(self.prompt_len + i) in self.stop_ids:
@@ -98,7 +106,8 @@ class Run:
         self.flushes = 0
         self.ending: set[str] = set()
         self.ending_all = False
-        self.stats = {"overcommitted": 0, "cached": 0, "503": 0, "stop": 0, "ended_early": 0}
+        self.stats = {"overcommitted": 0, "cached": 0, "503": 0, "stop": 0, "ended_early": 0,
+                      "grammar_stop": 0, "grammar_400": 0}
 
     def fail(self, msg: str) -> None:
         raise AssertionError(f"seed {self.seed}: {msg}")
@@ -130,11 +139,14 @@ class Run:
         if rng.random() < 0.15:
             logprob = LogprobRequest(top_logprobs_num=rng.randint(0, 2), start_len=rng.choice(
                 [-1, 0, 1, rng.randint(0, len(ids) + 2)]))
+        grammar = None
+        if rng.random() < 0.2:              # FakeGrammars: "stop:N", or one that fails
+            grammar = rng.choice([f"stop:{rng.randint(1, 12)}", "bad1", "bad2"])
         msg = TokenizedRequest(
             rid=rid, input_ids=ids, stream=rng.random() < 0.3, logprob=logprob,
             sampling=SamplingParams(max_new_tokens=max_new, min_new_tokens=min_new,
                                     stop_token_ids=stop_ids, ignore_eos=rng.random() < 0.5,
-                                    stop=["x"] if rng.random() < 0.1 else []),
+                                    stop=["x"] if rng.random() < 0.1 else [], regex=grammar),
             fit_context=rng.random() < 0.1)
         if rng.random() < 0.02:
             msg.input_ids = ids + [VOCAB]                      # forged: outside the vocab
@@ -146,6 +158,9 @@ class Run:
         invalid = msg.input_ids[-1] == VOCAB or len(ids) + max_new >= CONTEXT
         too_big = len(ids) + max(e.max_new - 1, 0) > self.pool    # checked after an abort
         e.reject = invalid or (too_big and rid not in self.early)
+        if grammar is not None:
+            e.bad_grammar = grammar.startswith("bad")
+            e.grammar_len = None if e.bad_grammar else int(grammar.split(":")[1])
         if rid in self.early:
             e.causes.add("early")
         self.expect[rid] = e
@@ -183,7 +198,8 @@ class Run:
         if kind == "flush":
             self.flushes += 1
             return FlushCacheRequest(req_id=f"f{self.flushes}")
-        choices = [self.pick(s.running), self.pick(list(s.waiting)), f"ghost{rng.random()}",
+        choices = [self.pick(s.running), self.pick(list(s.waiting)), self.pick(s.compiling),
+                   f"ghost{rng.random()}",
                    f"r{rng.randrange(self.next_rid)}" if self.next_rid else "x"]
         if kind == "abort":
             rid = rng.choice(choices)
@@ -204,6 +220,7 @@ class Run:
         s = self.s
         alone_flush = (len(msgs) == 1 and isinstance(msgs[0], FlushCacheRequest)
                        and s.idle)
+        s.grammars.resolve(lambda key: self.rng.random() < 0.4)   # compiles end in time
         s.step(msgs)
         if len(self.batches) > 1:
             self.fail("more than one TokenBatch in a step")
@@ -244,12 +261,19 @@ class Run:
         if e.reject:
             if not (f.type == "abort" and f.status_code == 400 and not e.ids):
                 self.fail(f"{out.rid} should have been refused with a 400: {f}")
+        elif e.bad_grammar and f.status_code == 400:
+            if not (f.type == "abort" and "does not compile" in f.message and not e.ids):
+                self.fail(f"{out.rid} has a grammar that does not compile, but ended {f}")
+            self.stats["grammar_400"] += 1
         elif f.type != "abort":
+            if e.bad_grammar:
+                self.fail(f"{out.rid} ran with a grammar that does not compile: {f}")
             if (f.type, len(e.ids)) != end:
                 self.fail(f"{out.rid} ended {f} after {len(e.ids)} tokens, expected {end}")
             if f.type == "length" and f.length != e.max_new:
                 self.fail(f"{out.rid}: {f}, max_new_tokens {e.max_new}")
             self.stats["stop"] += f.type == "stop"
+            self.stats["grammar_stop"] += f.type == "stop" and len(e.ids) == e.grammar_len
         else:
             self.stats["ended_early"] += 1
             if f.status_code == 500:
@@ -301,10 +325,14 @@ class Run:
                 kv.cache.check()             # the tree's structure: O(tree), not every step
         except RuntimeError as e:
             self.fail(str(e))
-        if any(r.row is not None or r.slots or r.prefix_node is not None for r in s.waiting):
+        if any(r.row is not None or r.slots or r.prefix_node is not None
+               for r in [*s.waiting, *s.compiling]):
             self.fail("a waiting request holds KV")
+        if any(r.grammar is None for r in [*s.waiting, *s.running] if r.sampling.grammar):
+            self.fail("a constrained request left `compiling` without its matcher")
         pending = self.open
-        queued = [r.rid for r in s.running] + [r.rid for r in s.waiting]
+        queued = [r.rid for r in s.running] + [r.rid for r in s.waiting] + \
+            [r.rid for r in s.compiling]
         if pending != set(s.in_flight) or sorted(queued) != sorted(pending):
             self.fail(f"requests not ended {sorted(pending)}, in flight "
                       f"{sorted(s.in_flight)}, running or waiting {sorted(queued)}")
@@ -348,7 +376,9 @@ def totals():
 
 
 @pytest.mark.parametrize("seed", SEEDS, ids=[f"seed-{n}" for n in SEEDS])
-def test_random_traffic_keeps_every_invariant(seed, totals, caplog):
+def test_random_traffic_keeps_every_invariant(seed, totals, caplog, monkeypatch):
+    # A step with only compiles pending blocks on them: the fakes end only between steps.
+    monkeypatch.setattr(scheduler_mod, "GRAMMAR_WAIT", 0)
     # Thousands of expected warnings (forged requests, injected failures with tracebacks):
     # formatting them would take a third of the run.
     caplog.set_level(logging.CRITICAL, logger="scheduler_proc.scheduler")
@@ -374,3 +404,4 @@ def test_the_random_runs_covered_what_they_are_for(totals):
     assert totals["ops"] >= 5000, totals
     assert totals["retracted"] > 0 and totals["overcommitted"] > 0, totals
     assert totals["cached"] > 0 and totals["stop"] > 0 and totals["ended_early"] > 0, totals
+    assert totals["grammar_stop"] > 0 and totals["grammar_400"] > 0, totals

@@ -6,6 +6,7 @@ test_scheduler_random.py drives the same fakes with random traffic."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 from scheduler_proc import process
 from scheduler_proc import runner as runner_mod
+from scheduler_proc.grammar import GrammarError
 from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.runner import Segment, sample_isolated
 from scheduler_proc.sampler import seeded_generator
@@ -118,13 +120,67 @@ def zero_logprobs(ids: list[int]) -> Logprobs:
                     top_ids=[[] for _ in ids], top_logprobs=[[] for _ in ids])
 
 
-def make(pool: int = 400, max_running: int = 8, **flags) -> tuple[Scheduler, list, list]:
+class FakeMatcher:
+    """A grammar that is complete after `length` tokens, whatever they are. `sync` (called
+    on retraction) checks that it was fed exactly the request's output ids."""
+
+    error = ""
+
+    def __init__(self, length: int):
+        self.length = length
+        self.tokens: list[int] = []
+
+    def consume(self, token: int) -> bool:
+        self.tokens.append(token)
+        return True
+
+    @property
+    def stopped(self) -> bool:
+        return len(self.tokens) >= self.length
+
+    def sync(self, output_ids: list[int]) -> None:
+        if self.tokens != output_ids:
+            raise RunnerCheckFailed(f"matcher fed {self.tokens}, outputs {output_ids}")
+
+
+class FakeGrammars:
+    """GrammarCompiler's surface for the scheduler. A key ("regex", "stop:N") compiles to a
+    FakeMatcher(N); ("regex", "bad...") fails with a GrammarError. Futures are cached by key
+    and stay pending until `resolve` (every pending one, or those `pick(key)` chooses)."""
+
+    def __init__(self):
+        self.cache: dict[tuple[str, str], Future] = {}
+        self.pending: list[tuple[tuple[str, str], Future]] = []
+
+    def compile(self, key: tuple[str, str]) -> Future:
+        if key not in self.cache:
+            self.cache[key] = Future()
+            self.pending.append((key, self.cache[key]))
+        return self.cache[key]
+
+    def resolve(self, pick=lambda key: True) -> None:
+        for key, fut in list(self.pending):
+            if pick(key):
+                self.pending.remove((key, fut))
+                if key[1].startswith("bad"):
+                    fut.set_exception(GrammarError(f"The regex does not compile: {key[1]}"))
+                else:
+                    fut.set_result(int(key[1].split(":")[1]))
+
+    def matcher(self, fut: Future) -> FakeMatcher:
+        return FakeMatcher(fut.result())
+
+
+def make(pool: int = 400, max_running: int = 8, grammars=None,
+         **flags) -> tuple[Scheduler, list, list]:
+    """grammars: a FakeGrammars by default (s.grammars)."""
     flags.setdefault("chunked_prefill_size", 64)
     args = ServerArgs(max_running_requests=max_running, **flags)
     kv = KVManager(pool_size=pool, max_running=max_running, context_len=CONTEXT,
                    device="cpu", use_cache=not args.disable_radix_cache)
     batches, replies = [], []
-    return Scheduler(args, FakeRunner(), kv, batches.append, replies.append), batches, replies
+    return Scheduler(args, FakeRunner(), kv, batches.append, replies.append,
+                     grammars=grammars or FakeGrammars()), batches, replies
 
 
 def request(rid: str, ids=(1, 2, 3), **sampling) -> TokenizedRequest:

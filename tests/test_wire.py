@@ -28,7 +28,8 @@ FULL_SAMPLING = SamplingParams(
     frequency_penalty=-1.5, presence_penalty=2.0, repetition_penalty=1.2, min_new_tokens=3,
     stop=["\n", "END", "停止", "🛑"], stop_token_ids=[2, 0, 128001], ignore_eos=True,
     skip_special_tokens=False, spaces_between_special_tokens=False, no_stop_trim=True, n=3,
-    sampling_seed=2**63 - 1, logit_bias={"11": 5.0, "0": -1.5})
+    sampling_seed=2**63 - 1, logit_bias={"11": 5.0, "0": -1.5},
+    json_schema='{"type":"object","properties":{"停止":{"enum":["🛑"]}}}')
 
 UNICODE = "héllo 你好 😀🎉 👍🏽 \x00 tab\t newline\n 𝄞"
 

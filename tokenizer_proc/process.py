@@ -8,6 +8,10 @@ terminal output with status 400, the same path as any other output; an unexpecte
 while handling one request (a bug here) ends that request with a 500 and a logged
 traceback, never the process. Aborts pass through to the scheduler in order.
 
+A json_schema, regex or ebnf constraint is checked here to compile
+(scheduler_proc/grammar.validate: ~1 ms, verdicts cached), so a bad grammar is a 400 before
+the request is queued; the scheduler then compiles it over the vocabulary.
+
 With --tokenizer-worker-num N there are N such processes, each with its own inbox; the
 API's one PUSH socket hands them messages in turn. Order then holds per worker only: an
 abort can overtake its request through another worker (the scheduler keeps such an abort
@@ -29,6 +33,7 @@ from pathlib import Path
 
 import zmq
 
+from scheduler_proc.grammar import validate as validate_grammar
 from tokenizer_proc.hf_tokenizer import HFTokenizer
 from wire.addresses import Addresses, worker_title
 from wire.codec import TOKENIZER_INBOX, encode
@@ -198,6 +203,9 @@ class Tokenizer:
                                f"[0, {self.vocab_size}).")
         try:
             s.verify_vocab(self.vocab_size)
+            s.verify_grammar()
+            if s.grammar is not None:
+                validate_grammar(*s.grammar)      # a grammar that does not compile: 400
         except ValueError as e:
             raise RequestError(str(e)) from None
         lp = req.logprob

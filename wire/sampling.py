@@ -10,7 +10,11 @@ Differences from SGLang, on purpose:
 - `temperature` is kept as sent; greediness is the `is_greedy` property, not a rewrite of
   temperature to 1.0. As in SGLang, a greedy temperature makes top_k irrelevant, so top_k is
   then stored as 1 and not range-checked.
-- SGLang parameters we do not implement (regex, json_schema, ...) are a 400 unless null.
+- SGLang parameters we do not implement (stop_regex, structural_tag, ...) are a 400 unless
+  null.
+- Constrained decoding: at most one of `json_schema` (a JSON object, or a string holding
+  one), `regex`, `ebnf`. The schema travels as compact JSON text; whether a grammar compiles
+  is checked by the tokenizer worker (scheduler_proc/grammar.py), not here.
 - `stop` is always a list (a str becomes [str]); empty stop strings are rejected.
 - Values the scheduler's float32 sampling cannot carry are a 400 too: a temperature above the
   float32 maximum, and a top_p or repetition_penalty below the smallest normal float32
@@ -21,8 +25,11 @@ Differences from SGLang, on purpose:
 can forge one).
 """
 
+import json
 import math
 from typing import Any
+
+import msgspec
 
 from wire.schema import WireStruct, field
 
@@ -32,6 +39,8 @@ FLOAT32_TINY = 1.1754943508222875e-38    # the smallest normal float32
 MAX_STOP_STRINGS = 32
 MAX_N = 128             # parallel samples per prompt (OpenAI's limit)
 MAX_STOP_LENGTH = 256   # characters; the detokenizer keeps every prefix of each stop string
+MAX_GRAMMAR_CHARS = 1_000_000   # of a json_schema, regex or ebnf text
+GRAMMAR_KEYS = ("json_schema", "regex", "ebnf")
 
 
 class SamplingError(ValueError):
@@ -65,10 +74,33 @@ class SamplingParams(WireStruct):
     n: int = 1
     sampling_seed: int | None = None
     logit_bias: dict[str, float] | None = None      # token id (decimal str) -> added logit
+    # Constrained decoding (at most one): a JSON schema as JSON text, a regex, an EBNF
+    # (GBNF or Lark) grammar. The output is then a whole match (scheduler_proc/grammar.py).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the request's constraint, kind one of GRAMMAR_KEYS, or None: the
+        key that compiled grammars are cached by."""
+        for kind in GRAMMAR_KEYS:
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
+
+    def with_json_schema(self, schema: dict) -> "SamplingParams":
+        """A copy constrained to JSON that validates against `schema` (a decoded JSON
+        Schema), any other constraint replaced: how a route constrains a request itself
+        (response_format, a tool call's arguments). Raises SamplingError if the schema
+        cannot travel."""
+        text = _json_schema("json_schema", schema)
+        return msgspec.structs.replace(self, json_schema=text, regex=None, ebnf=None)
 
     @classmethod
     def from_json(cls, obj: Any) -> "SamplingParams":
@@ -106,9 +138,18 @@ class SamplingParams(WireStruct):
         _token_ids("stop_token_ids", self.stop_token_ids)
         if self.logit_bias is not None:
             _logit_bias("logit_bias", self.logit_bias)
+        self.verify_grammar()
         self._verify()
         if vocab_size is not None:
             self.verify_vocab(vocab_size)
+
+    def verify_grammar(self) -> None:
+        """The shape of the constraint fields (non-empty strings, a schema that is JSON);
+        at most one being set is `_verify`'s check, and whether the grammar compiles is
+        scheduler_proc/grammar.py's to say."""
+        for kind in GRAMMAR_KEYS:
+            if getattr(self, kind) is not None:
+                _GRAMMAR_PARSERS[kind](kind, getattr(self, kind))
 
     def verify_vocab(self, vocab_size: int) -> None:
         """The checks that need the model's vocabulary size (SGLang's messages)."""
@@ -177,6 +218,10 @@ class SamplingParams(WireStruct):
         if self.sampling_seed is not None and not -(2**63) <= self.sampling_seed < 2**64:
             raise SamplingError("sampling_seed",
                                 f"sampling_seed must fit in 64 bits, got {self.sampling_seed}.")
+        if sum(getattr(self, kind) is not None for kind in GRAMMAR_KEYS) > 1:
+            raise SamplingError(next(k for k in reversed(GRAMMAR_KEYS)
+                                     if getattr(self, k) is not None),
+                                "Only one of regex, json_schema, or ebnf can be set.")
         if self.logit_bias is not None:
             for token_id, bias in self.logit_bias.items():
                 if not math.isfinite(bias):
@@ -248,18 +293,49 @@ def _logit_bias(key: str, v: Any) -> dict[str, float] | None:
     return out or None
 
 
+def _grammar_text(key: str, v: Any) -> str:
+    if type(v) is not str:
+        raise SamplingError(key, f"sampling_params.{key} must be a string, got {_json_type(v)}.")
+    if not v:
+        raise SamplingError(key, f"sampling_params.{key} must not be empty.")
+    if len(v) > MAX_GRAMMAR_CHARS:
+        raise SamplingError(key, f"sampling_params.{key} may be at most {MAX_GRAMMAR_CHARS} "
+                                 f"characters long, got {len(v)}.")
+    return v
+
+
+def _json_schema(key: str, v: Any) -> str:
+    """A schema object as compact JSON text; a string must hold one."""
+    if type(v) is str:
+        _grammar_text(key, v)
+        try:
+            v = json.loads(v)
+        except ValueError as e:
+            raise SamplingError(key, f"{key} is not valid JSON: {e}.") from None
+    if type(v) is not dict:
+        raise SamplingError(key, f"{key} must be a JSON object (a JSON Schema), got "
+                                 f"{_json_type(v)}.")
+    try:
+        text = json.dumps(v, separators=(",", ":"), allow_nan=False)   # ASCII: no lone surrogate
+    except ValueError as e:                              # NaN / Infinity in the schema
+        raise SamplingError(key, f"{key} is not valid JSON: {e}.") from None
+    return _grammar_text(key, text)
+
+
+_GRAMMAR_PARSERS = {"json_schema": _json_schema, "regex": _grammar_text, "ebnf": _grammar_text}
+
+
 _PARSERS = {
     "max_new_tokens": _int, "temperature": _float, "top_p": _float, "top_k": _int,
     "min_p": _float, "frequency_penalty": _float, "presence_penalty": _float,
     "repetition_penalty": _float, "min_new_tokens": _int, "stop": _stop,
     "stop_token_ids": _token_ids, "ignore_eos": _bool, "skip_special_tokens": _bool,
     "spaces_between_special_tokens": _bool, "no_stop_trim": _bool, "n": _int,
-    "sampling_seed": _int, "logit_bias": _logit_bias,
+    "sampling_seed": _int, "logit_bias": _logit_bias, **_GRAMMAR_PARSERS,
 }
 assert set(_PARSERS) == set(SamplingParams.__struct_fields__)
 
 # SGLang accepts these; we do not implement them. Null is tolerated (clients send all keys).
 _SGLANG_UNSUPPORTED = frozenset({
-    "stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "custom_params",
-    "stream_interval",
+    "stop_regex", "structural_tag", "custom_params", "stream_interval",
 })
