@@ -15,7 +15,11 @@ Choices made where OpenAI, vLLM and SGLang leave room (README lists them):
 - `seed` with n > 1: sample j uses seed + j, so the samples differ yet are reproducible.
 - Text content parts are joined with "\n" (vLLM); any other part type is a 400.
 - Unknown fields are ignored (as vLLM and SGLang do); known OpenAI features we do not have
-  (tools, suffix, best_of != n, ...) are a 400.
+  (suffix, best_of != n, tool_choice "auto", ...) are a 400.
+- Tools (chat): a named function in `tool_choice`, or "required", constrains the output to
+  a call (api_proc/tools.py: the function's parameters schema, or {name, arguments} over
+  the tools) and answers `tool_calls` with finish_reason "tool_calls"; streamed, the call
+  comes as one `tool_calls` delta once whole. An output cut by max_tokens stays content.
 - Structured outputs, on both routes: `response_format` {"type": "json_object"} (any JSON
   object) or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}} (the
   schema is always enforced, whatever `strict` says), and SGLang's extra fields `regex`,
@@ -48,6 +52,7 @@ from api_proc.boundary import BadRequest, JSONResponse, read_json
 from api_proc.pipeline import Pipeline, Prompt, expand, settle
 from api_proc.state import Dispatcher, RequestState, SubmitError
 from api_proc.streaming import DONE, SSEResponse, changes, sse
+from api_proc.tools import ToolError, check_tools, forced_calls, forced_schema
 from wire.messages import (MAX_TOP_LOGPROBS, ChatMessage, FinishReason, GenerateRequest,
                            LogprobRequest, Logprobs, TextOutput)
 from wire.sampling import GRAMMAR_KEYS, SamplingError, SamplingParams
@@ -111,6 +116,8 @@ class ParsedOpenAI:
     logprobs: int | None         # completions: top k; chat: top_logprobs (None: no logprobs)
     echo: list[str | list[int]] | None = None   # completions with echo: each prompt
     warmups: list[GenerateRequest] = field(default_factory=list)   # n > 1: see pipeline.py
+    tool_choice: str | None = None  # chat with a forced tool call: a function name or
+                                    # "required" (api_proc/tools.py); None: plain text
 
 
 def _check_model(body: dict, model_id: str) -> None:
@@ -316,9 +323,10 @@ def parse_chat(body: Any, model_id: str, context_length: int) -> ParsedOpenAI:
     if not isinstance(body, dict):
         raise OpenAIError("The request body must be a JSON object.")
     _check_model(body, model_id)
+    functions, choice = _tools(body)
     _reject_unsupported(body, {
-        "tools": lambda v: v == [], "functions": lambda v: v == [],
-        "tool_choice": lambda v: v == "none", "function_call": lambda v: v == "none",
+        "tools": lambda v: True, "tool_choice": lambda v: True,     # _tools took them
+        "functions": lambda v: v == [], "function_call": lambda v: v == "none",
         "add_generation_prompt": lambda v: v is True,
         "continue_final_message": lambda v: v is False,
         "chat_template_kwargs": lambda v: v == {}, "audio": lambda v: False,
@@ -340,12 +348,35 @@ def parse_chat(body: Any, model_id: str, context_length: int) -> ParsedOpenAI:
     # Unset: checked against the most it can be; the tokenizer process fits it to the room
     # the templated prompt leaves (fit_context).
     params = _sampling(body, key, context_length - 1 if unset else None)
+    forced = forced_schema(functions, choice)
+    if forced is not None:
+        if any(getattr(params, k) is not None for k in GRAMMAR_KEYS):
+            raise OpenAIError("A forced tool_choice constrains the output already: drop "
+                              "response_format / regex / ebnf / json_schema.",
+                              param="tool_choice")
+        params = params.with_json_schema(forced)
     logprob_req = None if logprobs is None else LogprobRequest(top_logprobs_num=logprobs)
     base = uuid.uuid4().hex
     reqs, warmups = expand([Prompt(messages=messages)], [params],
                            [f"chatcmpl-{base}_{j}" for j in range(params.n)], stream=stream,
                            logprob=logprob_req, fit_context=unset)
-    return ParsedOpenAI(reqs, params.n, stream, include_usage, logprobs, warmups=warmups)
+    return ParsedOpenAI(reqs, params.n, stream, include_usage, logprobs, warmups=warmups,
+                        tool_choice=choice if forced is not None else None)
+
+
+def _tools(body: dict) -> tuple[list[dict], str]:
+    """tools and tool_choice (api_proc/tools.py). A named function or "required" is
+    enforced with a JSON-schema grammar; "auto" needs a tool-call parser, which this
+    server does not have yet: it is refused rather than ignored."""
+    try:
+        functions, choice = check_tools(body.get("tools"), body.get("tool_choice"))
+    except ToolError as e:
+        raise OpenAIError(str(e), param=e.param) from None
+    if choice == "auto":
+        raise OpenAIError("tool_choice \"auto\" (the default with tools) is not supported "
+                          "yet: name a function ({\"type\": \"function\", \"function\": "
+                          "{\"name\": ...}}) or use \"required\".", param="tool_choice")
+    return functions, choice
 
 
 # ---- consuming outputs -----------------------------------------------------------------------
@@ -621,13 +652,27 @@ class _Reply:
                 item["message"] = {"role": "assistant", "content": c.state.text}
                 item["logprobs"] = None if self.parsed.logprobs is None else \
                     chat_logprobs(c.logprobs)
+                calls = self._tool_calls(c)
+                if calls:
+                    item["message"] = {"role": "assistant", "content": None,
+                                       "tool_calls": calls}
+                    item["finish_reason"] = "tool_calls"
             else:
                 item["text"] = (self.echo[c.index] if self.echo else "") + c.state.text
                 item["logprobs"] = self._completion_logprobs(c, c.logprobs, True)
-            item["finish_reason"] = _finish_reason(last.finish)
+            item.setdefault("finish_reason", _finish_reason(last.finish))
             item["matched_stop"] = _matched_stop(last.finish)
             items.append(item)
         return self.envelope(items, usage=self.usage())
+
+    def _tool_calls(self, c: _Choice) -> list[dict]:
+        """A forced tool call's OpenAI form, once the choice finished with a whole call
+        ([] otherwise: the text stays content)."""
+        if self.parsed.tool_choice is None or c.state.last.finish is None or \
+                c.state.last.finish.type != "stop":
+            return []
+        return [call.to_json(i) for i, call in
+                enumerate(forced_calls(c.state.text, self.parsed.tool_choice))]
 
     def chunks(self, c: _Choice, first: bool) -> list[dict]:
         """The stream chunks for what a choice received since its previous chunks (possibly
@@ -654,6 +699,15 @@ class _Reply:
         chunks = []
         if first:
             chunks.append(chunk({"role": "assistant", "content": ""}))
+        if self.parsed.tool_choice is not None:
+            # A forced call streams as one tool_calls delta once it is whole (its
+            # arguments are only known to be a call when the grammar ends them).
+            if finish is None:
+                return chunks
+            calls = self._tool_calls(c)
+            if calls:
+                return chunks + [chunk({"tool_calls": calls}), chunk({}, None, "tool_calls")]
+            text = c.state.text             # not a whole call: the text, as content
         if text or lp.token_ids:
             logprobs = None if self.parsed.logprobs is None else chat_logprobs(lp)
             chunks.append(chunk({"content": text}, logprobs))

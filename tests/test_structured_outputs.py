@@ -258,3 +258,64 @@ def test_logprobs_are_of_the_masked_distribution(llama_server):
     assert out["output_ids"][0] in [tid for _, tid, _ in top]
     assert 1 <= len(top) <= 2                                    # "a", "b": nothing else
     assert abs(sum(pow(2.718281828459045, v) for v, _, _ in top) - 1) < 1e-4
+
+
+# ---- acceptance check 3: tool calling with a forced tool_choice -----------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "additionalProperties": False,
+                   "properties": {"city": {"type": "string", "maxLength": 20},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "additionalProperties": False,
+                                       "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"]}}}
+TOOL_MESSAGES = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+def check_call(call, tools=(WEATHER_TOOL, TIME_TOOL)) -> None:
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert call.type == "function" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name])
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_tool_calls_through_the_openai_sdk(default_server, choice):
+    c = client(default_server)
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}} \
+        if choice == "named" else "required"
+    kwargs = dict(model=model_id(default_server), messages=TOOL_MESSAGES,
+                  tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=tool_choice, max_tokens=64,
+                  temperature=0)
+    r = c.chat.completions.create(**kwargs)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    if choice == "named":
+        assert call.function.name == "get_weather"
+    check_call(call)
+    # Streamed: the same call, as a tool_calls delta, then finish_reason tool_calls.
+    calls, finishes = [], []
+    for chunk in c.chat.completions.create(**kwargs, stream=True):
+        for ch in chunk.choices:
+            calls += ch.delta.tool_calls or []
+            finishes += [ch.finish_reason] if ch.finish_reason else []
+    (streamed,) = calls
+    assert finishes == ["tool_calls"]
+    assert (streamed.function.name, json.loads(streamed.function.arguments)) == \
+        (call.function.name, json.loads(call.function.arguments))      # greedy: the same
+
+
+@pytest.mark.parametrize("body,fragment", [
+    ({"tools": [WEATHER_TOOL]}, "tool_choice \"auto\""),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function",
+                                               "function": {"name": "nope"}}}, "not in tools"),
+    ({"tool_choice": "required"}, "tool_choice needs tools"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "required", "regex": "a"}, "constrains"),
+])
+def test_tool_mistakes_are_400s(llama_server, body, fragment):
+    r = llama_server.client.post("/v1/chat/completions", json={
+        "messages": TOOL_MESSAGES, "max_tokens": 8, **body})
+    assert r.status_code == 400, r.text
+    assert fragment in r.json()["error"]["message"]
