@@ -76,7 +76,7 @@ def threads_per_rank(args) -> int:
     --tp-size / --nnodes model processes (torch would give each one all of them, and
     oversubscribed OpenMP threads spin against each other). OMP_NUM_THREADS overrides."""
     model_procs = args.dp_size * args.tp_size // args.nnodes
-    return max(1, (os.cpu_count() or 1) // model_procs)
+    return max(1, len(os.sched_getaffinity(0)) // model_procs)     # the cores we may use
 
 
 def rank_title(replica: int, rank: int) -> str:
@@ -134,10 +134,12 @@ def build_scheduler(config: ServerConfig, addrs: Addresses, replica: int, group)
     outbox = Outbox(ctx, addrs.detokenizer)
     if addrs.data_parallel:
         controller = Outbox(ctx, addrs.scheduler)
+        balance = args.load_balance_method == "shortest_queue"   # round_robin reads none
 
         def send(batch: TokenBatch) -> None:
             outbox.send(batch)
-            controller.send(ReplicaStatus(batch.load, scheduler.received_total))
+            if balance:
+                controller.send(ReplicaStatus(batch.load, scheduler.received_total))
         scheduler = Scheduler(args, runner, kv, send, controller.send, replica, grammars)
     else:
         to_api = [Outbox(ctx, a) for a in addrs.api]

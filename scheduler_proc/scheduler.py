@@ -96,6 +96,7 @@ class Scheduler:
         one, constrained requests are refused with a 400."""
         self.args = args
         self.replica = replica
+        self.counts_tokens = args.dp_size > 1 and args.load_balance_method == "shortest_queue"
         self.runner = runner
         self.kv = kv
         self.send, self.reply = send, reply
@@ -535,6 +536,14 @@ class Scheduler:
                              rejected_total=self.rejected_total,
                              requests_total=self.requests_total,
                              cached_tokens_total=self.cached_tokens_total,
-                             queued_tokens=sum(r.seq_len for r in self.waiting)
-                             + sum(r.seq_len for r in self.compiling),
-                             running_tokens=sum(r.seq_len for r in self.running))
+                             **self.token_counts())
+
+    def token_counts(self) -> dict[str, int]:
+        """The queued and running requests' tokens, for a data-parallel controller that
+        balances by them (--load-balance-method shortest_queue); O(requests), so only
+        counted there."""
+        if not self.counts_tokens:
+            return {}
+        return {"queued_tokens": sum(r.seq_len for r in self.waiting)
+                + sum(r.seq_len for r in self.compiling),
+                "running_tokens": sum(r.seq_len for r in self.running)}

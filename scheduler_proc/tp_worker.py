@@ -12,7 +12,8 @@ The protocol, against rank 0's ModelRunner (runner.py):
 3. barrier: every rank is ready (rank 0 reports ready to the launcher after it);
 4. per step, rank 0's forward broadcasts a StepPlan; each follower applies the plan's
    table writes and runs runner.execute on it, making the same collectives as rank 0.
-A plan with `stop` set ends the loop (rank 0: runner.stop_followers()).
+A plan with `stop` set ends the loop (rank 0: runner.stop_followers(); the tests use it, the
+server does not: its ranks end when the launcher stops them, or with a peer gone).
 
 Faults: anything that fails here (a frame that does not decode, a write outside the table,
 an error in the model, a peer gone) leaves the group's state unknown. It propagates as a

@@ -182,7 +182,8 @@ class SchedulerLoad(WireStruct):
     rejected_total: int = 0             # forged or invalid requests the scheduler refused
     requests_total: int = 0             # requests accepted since start
     cached_tokens_total: int = 0        # prompt tokens found in the prefix cache, since start
-    queued_tokens: int = 0              # prompt + output tokens of the queued requests
+    queued_tokens: int = 0              # tokens of the queued requests (counted only for a
+                                        # --load-balance-method shortest_queue controller)
     running_tokens: int = 0             # the same of the running ones
 
     @property
