@@ -8,7 +8,8 @@ Each choice is its request's RequestState (`_Choice` adds the index), which accu
 the text, ids and logprobs; streams send what arrived since their previous chunk.
 
 Choices made where OpenAI, vLLM and SGLang leave room (README lists them):
-- `model` may be omitted; any other name than the served one is a 404.
+- `model` may be omitted or "default" (SGLang); any other name than the served one is a 404.
+  GET /v1/models/{id} answers the served model's card.
 - completions: `max_tokens` null means 16, OpenAI's default. chat: no `max_tokens` /
   `max_completion_tokens` means "until the context length" (vLLM, SGLang): the API process
   renders the chat template itself to count the prompt.
@@ -126,7 +127,7 @@ def _check_model(body: dict, model_id: str) -> None:
         return
     if not isinstance(model, str):
         raise OpenAIError("model must be a string.", param="model")
-    if model != model_id:
+    if model not in (model_id, "default"):      # "default": SGLang's name for the one model
         raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
 
 
@@ -519,14 +520,24 @@ class OpenAIHandler:
 
     def routes(self) -> list[Route]:
         return [Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"])]
 
+    def _card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created,
+                "owned_by": "zserve", "root": self.config.model_path, "parent": None,
+                "max_model_len": self.config.context_length}
+
     async def models(self, _: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.model_id, "object": "model", "created": self.created,
-            "owned_by": "zserve", "root": self.config.model_path, "parent": None,
-            "max_model_len": self.config.context_length}]})
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id}: the served model's card; any other id is a 404."""
+        if request.path_params["model"] not in (self.model_id, "default"):
+            return error_response(f"The model `{request.path_params['model']}` does not "
+                                  f"exist.", 404, "model")
+        return JSONResponse(self._card())
 
     async def completions(self, request: Request) -> Response:
         return await self._handle(request, chat=False)

@@ -433,3 +433,15 @@ def test_logprobs_are_not_duplicated(client, model):
         model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
         logprobs=True, top_logprobs=2, temperature=0)
     assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
+
+
+def test_models_by_id_and_the_default_name(server, model, client):
+    assert client.models.retrieve(model).id == model            # the SDK's GET /v1/models/{id}
+    card = server.client.get(f"/v1/models/{model}").json()
+    assert card == server.client.get("/v1/models").json()["data"][0]
+    r = server.client.get("/v1/models/gpt-4")
+    assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]
+    r = server.client.post("/v1/chat/completions", json={
+        "model": "default", "messages": MESSAGES, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == model
