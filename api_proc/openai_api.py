@@ -16,11 +16,15 @@ Choices made where OpenAI, vLLM and SGLang leave room (README lists them):
 - `seed` with n > 1: sample j uses seed + j, so the samples differ yet are reproducible.
 - Text content parts are joined with "\n" (vLLM); any other part type is a 400.
 - Unknown fields are ignored (as vLLM and SGLang do); known OpenAI features we do not have
-  (suffix, best_of != n, tool_choice "auto", ...) are a 400.
+  (suffix, best_of != n, tool_choice "auto" without --tool-call-parser, ...) are a 400.
 - Tools (chat): a named function in `tool_choice`, or "required", constrains the output to
   a call (api_proc/tools.py: the function's parameters schema, or {name, arguments} over
   the tools) and answers `tool_calls` with finish_reason "tool_calls"; streamed, the call
   comes as one `tool_calls` delta once whole. An output cut by max_tokens stays content.
+  tool_choice "auto" (with --tool-call-parser): the tools go to the chat template and the
+  output's calls are parsed (api_proc/tools.py); a stream holds the text to its end.
+- --reasoning-parser: `<think>` text goes to `reasoning_content` (api_proc/reasoning.py);
+  `chat_template_kwargs` are template variables (not the template's own names).
 - Structured outputs, on both routes: `response_format` {"type": "json_object"} (any JSON
   object) or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}} (the
   schema is always enforced, whatever `strict` says), and SGLang's extra fields `regex`,
@@ -53,8 +57,12 @@ from api_proc.boundary import BadRequest, JSONResponse, read_json
 from api_proc.pipeline import Pipeline, Prompt, expand, settle
 from api_proc.state import Dispatcher, RequestState, SubmitError
 from api_proc.streaming import DONE, SSEResponse, changes, sse
+from api_proc.reasoning import StreamSplitter
+from api_proc.reasoning import split as split_reasoning
 from api_proc.tools import ToolError, check_tools, forced_calls, forced_schema
-from wire.messages import (MAX_TOP_LOGPROBS, ChatMessage, FinishReason, GenerateRequest,
+from api_proc.tools import parse as parse_tool_calls
+from wire.messages import (MAX_TOP_LOGPROBS, TEMPLATE_RESERVED, ChatMessage, FinishReason,
+                           GenerateRequest,
                            LogprobRequest, Logprobs, TextOutput)
 from wire.sampling import GRAMMAR_KEYS, SamplingError, SamplingParams
 from wire.server_args import ServerConfig
@@ -119,6 +127,8 @@ class ParsedOpenAI:
     warmups: list[GenerateRequest] = field(default_factory=list)   # n > 1: see pipeline.py
     tool_choice: str | None = None  # chat with a forced tool call: a function name or
                                     # "required" (api_proc/tools.py); None: plain text
+    tool_parser: str | None = None  # chat with tool_choice "auto": parse the output's calls
+    reasoning_parser: str | None = None     # chat: split <think> into reasoning_content
 
 
 def _check_model(body: dict, model_id: str) -> None:
@@ -320,17 +330,21 @@ def _messages(body: dict) -> list[ChatMessage]:
     return out
 
 
-def parse_chat(body: Any, model_id: str, context_length: int) -> ParsedOpenAI:
+def parse_chat(body: Any, model_id: str, context_length: int, tool_parser: str | None = None,
+               reasoning_parser: str | None = None) -> ParsedOpenAI:
+    """tool_parser / reasoning_parser: the server's --tool-call-parser and
+    --reasoning-parser (None: not set)."""
     if not isinstance(body, dict):
         raise OpenAIError("The request body must be a JSON object.")
     _check_model(body, model_id)
-    functions, choice = _tools(body)
+    functions, choice = _tools(body, tool_parser)
+    template_json = _template_json(body, choice)
     _reject_unsupported(body, {
         "tools": lambda v: True, "tool_choice": lambda v: True,     # _tools took them
         "functions": lambda v: v == [], "function_call": lambda v: v == "none",
         "add_generation_prompt": lambda v: v is True,
         "continue_final_message": lambda v: v is False,
-        "chat_template_kwargs": lambda v: v == {}, "audio": lambda v: False,
+        "chat_template_kwargs": lambda v: True, "audio": lambda v: False,
         "modalities": lambda v: v == ["text"]})
     messages = _messages(body)
     stream = _bool_field(body, "stream")
@@ -358,26 +372,42 @@ def parse_chat(body: Any, model_id: str, context_length: int) -> ParsedOpenAI:
         params = params.with_json_schema(forced)
     logprob_req = None if logprobs is None else LogprobRequest(top_logprobs_num=logprobs)
     base = uuid.uuid4().hex
-    reqs, warmups = expand([Prompt(messages=messages)], [params],
+    reqs, warmups = expand([Prompt(messages=messages, template_json=template_json)], [params],
                            [f"chatcmpl-{base}_{j}" for j in range(params.n)], stream=stream,
                            logprob=logprob_req, fit_context=unset)
     return ParsedOpenAI(reqs, params.n, stream, include_usage, logprobs, warmups=warmups,
-                        tool_choice=choice if forced is not None else None)
+                        tool_choice=choice if forced is not None else None,
+                        tool_parser=tool_parser if choice == "auto" else None,
+                        reasoning_parser=reasoning_parser)
 
 
-def _tools(body: dict) -> tuple[list[dict], str]:
+def _tools(body: dict, tool_parser: str | None) -> tuple[list[dict], str]:
     """tools and tool_choice (api_proc/tools.py). A named function or "required" is
-    enforced with a JSON-schema grammar; "auto" needs a tool-call parser, which this
-    server does not have yet: it is refused rather than ignored."""
+    enforced with a JSON-schema grammar; "auto" needs the server's --tool-call-parser
+    (without one it is refused rather than ignored)."""
     try:
         functions, choice = check_tools(body.get("tools"), body.get("tool_choice"))
     except ToolError as e:
         raise OpenAIError(str(e), param=e.param) from None
-    if choice == "auto":
-        raise OpenAIError("tool_choice \"auto\" (the default with tools) is not supported "
-                          "yet: name a function ({\"type\": \"function\", \"function\": "
-                          "{\"name\": ...}}) or use \"required\".", param="tool_choice")
+    if choice == "auto" and tool_parser is None:
+        raise OpenAIError("tool_choice \"auto\" (the default with tools) needs the server "
+                          "started with --tool-call-parser; or name a function "
+                          "({\"type\": \"function\", \"function\": {\"name\": ...}}) or use "
+                          "\"required\".", param="tool_choice")
     return functions, choice
+
+
+def _template_json(body: dict, choice: str) -> str | None:
+    """What the chat template renders besides the messages: the tools (unless
+    tool_choice is "none") and chat_template_kwargs."""
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict) or TEMPLATE_RESERVED & kwargs.keys():
+        raise OpenAIError(f"chat_template_kwargs must be an object whose keys are none of "
+                          f"{sorted(TEMPLATE_RESERVED)}.", param="chat_template_kwargs")
+    tools = body.get("tools") if choice != "none" else None
+    if tools is None and not kwargs:
+        return None
+    return json.dumps({"tools": tools, "kwargs": kwargs}, ensure_ascii=False)
 
 
 # ---- consuming outputs -----------------------------------------------------------------------
@@ -549,7 +579,9 @@ class OpenAIHandler:
         try:
             body = await read_json(request)
             if chat:
-                parsed = parse_chat(body, self.model_id, self.config.context_length)
+                args = self.config.args
+                parsed = parse_chat(body, self.model_id, self.config.context_length,
+                                    args.tool_call_parser, args.reasoning_parser)
             else:
                 parsed = parse_completion(body, self.model_id)
             echo = await self._echo_texts(parsed)
@@ -624,6 +656,8 @@ class _Reply:
         self.id = parsed.requests[0].rid.rsplit("_", 1)[0]
         self.created = int(time.time())
         self.offsets = [0] * len(choices)         # completions: text_offset so far, per choice
+        self.splitters: dict[int, StreamSplitter] = {}  # chat stream, --reasoning-parser
+        self.held: dict[int, str] = {}            # chat stream, tool_choice "auto": its text
 
     def usage(self) -> dict:
         return _usage(self.choices, self.parsed.n)
@@ -668,6 +702,8 @@ class _Reply:
                     item["message"] = {"role": "assistant", "content": None,
                                        "tool_calls": calls}
                     item["finish_reason"] = "tool_calls"
+                else:
+                    self._split_message(c, item)
             else:
                 item["text"] = (self.echo[c.index] if self.echo else "") + c.state.text
                 item["logprobs"] = self._completion_logprobs(c, c.logprobs, True)
@@ -675,6 +711,23 @@ class _Reply:
             item["matched_stop"] = _matched_stop(last.finish)
             items.append(item)
         return self.envelope(items, usage=self.usage())
+
+    def _split_message(self, c: _Choice, item: dict) -> None:
+        """--reasoning-parser and tool_choice "auto": the text's reasoning, calls and
+        content, each where OpenAI clients look for it."""
+        content = c.state.text
+        p = self.parsed
+        if p.reasoning_parser is not None:
+            reasoning, content = split_reasoning(content, p.reasoning_parser)
+            item["message"]["reasoning_content"] = reasoning
+            item["message"]["content"] = content
+        if p.tool_parser is not None:
+            content, calls = parse_tool_calls(content, p.tool_parser)
+            if calls:
+                item["message"]["content"] = content or None
+                item["message"]["tool_calls"] = [call.to_json(i)
+                                                 for i, call in enumerate(calls)]
+                item["finish_reason"] = "tool_calls"
 
     def _tool_calls(self, c: _Choice) -> list[dict]:
         """A forced tool call's OpenAI form, once the choice finished with a whole call
@@ -719,6 +772,25 @@ class _Reply:
             if calls:
                 return chunks + [chunk({"tool_calls": calls}), chunk({}, None, "tool_calls")]
             text = c.state.text             # not a whole call: the text, as content
+        if self.parsed.reasoning_parser is not None:
+            splitter = self.splitters.setdefault(
+                c.index, StreamSplitter(self.parsed.reasoning_parser))
+            reasoning, text = splitter.feed(text, final=finish is not None)
+            if reasoning:
+                chunks.append(chunk({"reasoning_content": reasoning}))
+        if self.parsed.tool_parser is not None:
+            # "auto": whether the text holds calls is known at its end; it is held till then.
+            self.held[c.index] = self.held.get(c.index, "") + text
+            if finish is None:
+                return chunks
+            content, calls = parse_tool_calls(self.held.pop(c.index), self.parsed.tool_parser)
+            if calls:
+                if content:
+                    chunks.append(chunk({"content": content}))
+                return chunks + [chunk({"tool_calls": [call.to_json(i) for i, call in
+                                                       enumerate(calls)]}),
+                                 chunk({}, None, "tool_calls")]
+            text = content
         if text or lp.token_ids:
             logprobs = None if self.parsed.logprobs is None else chat_logprobs(lp)
             chunks.append(chunk({"content": text}, logprobs))

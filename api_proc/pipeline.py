@@ -34,10 +34,12 @@ class Prompt:
     text: str | None = None
     input_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
+    template_json: str | None = None        # with messages: GenerateRequest.template_json
 
     def request(self, rid: str, sampling: SamplingParams, **kw) -> GenerateRequest:
         return GenerateRequest(rid=rid, text=self.text, input_ids=self.input_ids,
-                               messages=self.messages, sampling=sampling, **kw)
+                               messages=self.messages, sampling=sampling,
+                               template_json=self.template_json, **kw)
 
 
 def sample_params(params: SamplingParams, n: int) -> list[SamplingParams]:

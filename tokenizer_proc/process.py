@@ -37,7 +37,8 @@ from scheduler_proc.grammar import validate as validate_grammar
 from tokenizer_proc.hf_tokenizer import HFTokenizer
 from wire.addresses import Addresses, worker_title
 from wire.codec import TOKENIZER_INBOX, encode
-from wire.messages import (MAX_TOP_LOGPROBS, AbortRequest, FinishReason, FlushCacheRequest,
+from wire.messages import (MAX_TOP_LOGPROBS, TEMPLATE_RESERVED, AbortRequest, FinishReason,
+                           FlushCacheRequest,
                            GenerateRequest, TextBatch, TextOutput, TokenizedRequest, replace)
 from wire.proc import run_child
 from wire.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS
@@ -160,6 +161,23 @@ def chars_per_token_bound(tok) -> float | None:
 
 # ---- the tokenizer ----------------------------------------------------------------------------
 
+def template_extras(template_json: str | None) -> tuple[list | None, dict]:
+    """GenerateRequest.template_json -> (tools, extra template variables); RequestError for
+    anything else (the API checked it; this socket trusts nobody)."""
+    if template_json is None:
+        return None, {}
+    try:
+        extras = json.loads(template_json)
+    except (ValueError, RecursionError):
+        raise RequestError("template_json is not JSON.") from None
+    tools = extras.get("tools") if isinstance(extras, dict) else None
+    kwargs = extras.get("kwargs", {}) if isinstance(extras, dict) else None
+    if not isinstance(kwargs, dict) or not (tools is None or isinstance(tools, list)) or \
+            TEMPLATE_RESERVED & kwargs.keys():
+        raise RequestError(f"chat_template_kwargs must be an object whose keys are none of "
+                           f"{sorted(TEMPLATE_RESERVED)}.")
+    return tools, kwargs
+
 class Tokenizer:
     def __init__(self, tokenizer_path: str, vocab_size: int, context_len: int,
                  chat_template: str | None = None):
@@ -241,15 +259,16 @@ class Tokenizer:
         """Token ids of a text, within the length bound (RequestError otherwise)."""
         return self._encode(text, add_special_tokens=add_special_tokens)
 
-    def apply_chat_template(self, messages) -> list[int]:
+    def apply_chat_template(self, messages, template_json: str | None = None) -> list[int]:
         if not self.tok.chat_template:
             raise RequestError("This model has no chat template; pass --chat-template.")
+        tools, kwargs = template_extras(template_json)
         try:
             # Rendered first, so the length bound applies before tokenizing; this is what
             # transformers' apply_chat_template(tokenize=True) does inside.
             text = self.tok.apply_chat_template(
                 [{"role": m.role, "content": m.content} for m in messages],
-                add_generation_prompt=True)
+                add_generation_prompt=True, tools=tools, **kwargs)
         except Exception as e:   # jinja raises its own types (e.g. raise_exception in templates)
             raise RequestError(f"The chat template failed on these messages: {e}") from None
         return self._encode(text, add_special_tokens=False)
@@ -257,7 +276,7 @@ class Tokenizer:
     def tokenize(self, req: GenerateRequest) -> TokenizedRequest:
         self.validate(req)
         if req.messages is not None:
-            ids = self.apply_chat_template(req.messages)
+            ids = self.apply_chat_template(req.messages, req.template_json)
         elif req.input_ids is not None:
             ids = req.input_ids
             if len(ids) >= self.context_len:      # before scanning a forged huge list

@@ -81,6 +81,10 @@ class Logprobs(WireStruct):
 
 # ---- api -> tokenizer ---------------------------------------------------------------------
 
+# chat_template_kwargs may not set these: the template's own variables
+TEMPLATE_RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
 class GenerateRequest(WireStruct, tag=1):
     """One prompt to run, after the API has normalized and validated the HTTP body.
     Exactly one of text / input_ids / messages is set (messages: the tokenizer applies the
@@ -96,6 +100,9 @@ class GenerateRequest(WireStruct, tag=1):
     fit_context: bool = False   # lower max_new_tokens to what the context leaves (chat default)
     api: int = 0                # the API process that owns it (--api-server-count): its
                                 # outputs go to that process's inbox
+    # messages only: what else the chat template renders, as JSON text {"tools": [...] or
+    # null, "kwargs": {...}} (OpenAI tools; chat_template_kwargs, e.g. enable_thinking)
+    template_json: str | None = None
 
 
 # ---- api -> tokenizer -> scheduler ---------------------------------------------------------

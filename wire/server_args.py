@@ -90,6 +90,13 @@ class ServerArgs:
     incremental_streaming_output: bool = _opt(False, "Stream only new text and ids in each "
                                               "frame instead of the cumulative output.")
     random_seed: int = _opt(0, "Seed for sampling of requests without sampling_seed.")
+    tool_call_parser: str | None = _opt(None, "The model family's tool-call format, for "
+                                        "tool_choice \"auto\" on /v1/chat/completions "
+                                        "(without it \"auto\" is refused).",
+                                        choices=["qwen", "llama3", "mistral"])
+    reasoning_parser: str | None = _opt(None, "Split a thinking model's <think>...</think> "
+                                        "into reasoning_content on /v1/chat/completions.",
+                                        choices=["qwen3", "deepseek-r1"])
     # ---- scaling (README: "Scaling") ----
     tokenizer_worker_num: int = _opt(1, "Tokenizer processes; the API's requests are spread "
                                      "over them round-robin.")
