@@ -326,8 +326,29 @@ def _messages(body: dict) -> list[ChatMessage]:
         if content is None and m["role"] != "assistant":
             raise OpenAIError(f"messages[{i}] ({m['role']}) needs content.",
                               param="messages")
-        out.append(ChatMessage(m["role"], "" if content is None else _content_text(content, i)))
+        out.append(ChatMessage(m["role"], "" if content is None else _content_text(content, i),
+                               _history_calls(m.get("tool_calls"), i),
+                               _tool_call_id(m.get("tool_call_id"), i)))
     return out
+
+
+def _history_calls(calls, i: int) -> str | None:
+    """An assistant message's earlier tool_calls, for the template (JSON text)."""
+    if calls is None:
+        return None
+    if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict)
+            and isinstance(c["function"].get("name"), str) for c in calls):
+        raise OpenAIError(f"messages[{i}].tool_calls must be a list of {{\"id\", \"type\", "
+                          f"\"function\": {{\"name\", \"arguments\"}}}} objects.",
+                          param="messages")
+    return json.dumps(calls, ensure_ascii=False)
+
+
+def _tool_call_id(value, i: int) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise OpenAIError(f"messages[{i}].tool_call_id must be a string.", param="messages")
+    return value
 
 
 def parse_chat(body: Any, model_id: str, context_length: int, tool_parser: str | None = None,

@@ -17,7 +17,9 @@ from tests.server import serving, wait_idle
 pytestmark = pytest.mark.e2e
 
 TEMPLATE = ("{% if tools %}Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}\n"
-            "{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+            "{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}"
+            "{% if m.tool_calls %} calls {{ m.tool_calls[0].function.name }}{% endif %}"
+            "{% if m.tool_call_id %} answers {{ m.tool_call_id }}{% endif %}\n{% endfor %}"
             "{% if enable_thinking is defined and not enable_thinking %}(no thinking)\n"
             "{% endif %}assistant:")
 TIME_TOOL = {"type": "function", "function": {
@@ -99,3 +101,23 @@ def test_tools_and_chat_template_kwargs_reach_the_template(server):
     r = server.client.post("/v1/chat/completions", json={
         "messages": MESSAGES, "chat_template_kwargs": {"messages": []}})
     assert r.status_code == 400 and "chat_template_kwargs" in r.json()["error"]["message"]
+
+
+def test_tool_call_history_reaches_the_template(server):
+    """An agent loop's second turn: the assistant's earlier call and the tool's answer."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+    turn = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    bare = [*MESSAGES, {"role": "assistant", "content": None},
+            {"role": "tool", "content": "12:00"}]
+    tokens = {}
+    for name, messages in (("turn", turn), ("bare", bare)):
+        r = server.client.post("/v1/chat/completions", json={
+            "messages": messages, "tools": [TIME_TOOL], "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        tokens[name] = r.json()["usage"]["prompt_tokens"]
+    assert tokens["turn"] > tokens["bare"]      # "calls get_time" and "answers call_1"
+    r = server.client.post("/v1/chat/completions", json={"messages": [
+        *MESSAGES, {"role": "assistant", "content": None, "tool_calls": [{"id": 1}]}]})
+    assert r.status_code == 400 and "tool_calls" in r.json()["error"]["message"]

@@ -267,7 +267,7 @@ class Tokenizer:
             # Rendered first, so the length bound applies before tokenizing; this is what
             # transformers' apply_chat_template(tokenize=True) does inside.
             text = self.tok.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in messages],
+                [m.to_template() for m in messages],
                 add_generation_prompt=True, tools=tools, **kwargs)
         except Exception as e:   # jinja raises its own types (e.g. raise_exception in templates)
             raise RequestError(f"The chat template failed on these messages: {e}") from None

@@ -13,6 +13,8 @@ accepts produces exactly one terminal output (finish is not None), whatever ends
 
 from __future__ import annotations
 
+import json
+
 import msgspec
 
 from wire.sampling import SamplingParams
@@ -46,6 +48,20 @@ class FinishReason(WireStruct):
 class ChatMessage(WireStruct):
     role: str
     content: str
+    # OpenAI's tool-call history, for the chat template: an assistant message's calls as
+    # JSON text (a list of {"id", "type", "function": {"name", "arguments"}}), and a tool
+    # message's tool_call_id.
+    tool_calls_json: str | None = None
+    tool_call_id: str | None = None
+
+    def to_template(self) -> dict:
+        """The message as chat templates read it (tool_calls parsed; None fields left out)."""
+        out = {"role": self.role, "content": self.content}
+        if self.tool_calls_json is not None:
+            out["tool_calls"] = json.loads(self.tool_calls_json)
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 MAX_TOP_LOGPROBS = 20   # per position, on every route (vLLM's default max_logprobs)
