@@ -222,8 +222,7 @@ class Children:
                     name = sentinels[obj]   # readable, so it must end the wait
                     if name in pending and pending[name].poll():
                         read_ready(pending.pop(name))   # raises with its error, if it wrote one
-                    raise RuntimeError(f"{name} exited with code "
-                                       f"{self.procs[name].exitcode} during startup")
+                    raise self.died_at_startup(name)
                 name = next(n for n, c in pending.items() if c is obj)
                 try:
                     infos[name] = read_ready(pending.pop(name))
@@ -231,6 +230,10 @@ class Children:
                     raise RuntimeError(f"{name} closed its ready pipe") from None
                 log.info("%s ready", name)
         return infos
+
+    def died_at_startup(self, name: str) -> RuntimeError:
+        return RuntimeError(f"{name} exited with code {self.procs[name].exitcode} during "
+                            f"startup")
 
     def supervise(self, on_death) -> None:
         """Start a thread that calls on_death(name, how) when a child dies unasked; `how`
@@ -323,9 +326,7 @@ def accept_nodes(config: ServerConfig, server: socket.socket,
             raise StartupError(f"{args.nnodes - 1 - len(links)} node(s) did not connect "
                                f"within --dist-timeout {args.dist_timeout:g} s")
         if ready[0] in sentinels:
-            name = sentinels[ready[0]]
-            raise RuntimeError(f"{name} exited with code {children.procs[name].exitcode} "
-                               f"during startup")
+            raise children.died_at_startup(sentinels[ready[0]])
         sock = node_link.accept(server, deadline)
         try:            # anything may connect to the port: only a node's hello counts
             hello = node_link.recv(sock, timeout=HELLO_TIMEOUT)

@@ -30,7 +30,8 @@ from api_proc.timing import RequestTiming
 from wire.addresses import Addresses
 from wire.messages import (AbortRequest, ApiControl, ControlReply, FinishReason,
                            FlushCacheRequest, PeerAbort, PeerAbortReply,
-                           GenerateRequest, LogprobRequest, Logprobs, SchedulerLoad, TextOutput,
+                           GenerateRequest, LogprobRequest, Logprobs, SchedulerLoad, TextBatch,
+                           TextOutput,
                            replace)
 from wire.codec import API_INBOX, encode
 from wire.sockets import AsyncInbox, Outbox
@@ -449,40 +450,40 @@ class Dispatcher:
     async def run(self) -> None:
         """Stamp and route every output to its request's queue."""
         self.loop = asyncio.get_running_loop()
+        others = {PeerAbort: self._peer_abort, PeerAbortReply: self._peer_abort_reply,
+                  ApiControl: self._control, ControlReply: self._control_reply}
         while True:
             batch = await self.inbox.recv_one()
-            if isinstance(batch, PeerAbort):
-                self._peer_abort(batch)
-                continue
-            if isinstance(batch, PeerAbortReply):
-                self._peer_abort_reply(batch)
-                continue
-            if isinstance(batch, ApiControl):
-                self._control(batch)
-                continue
-            if isinstance(batch, ControlReply):
-                for load in batch.loads:
-                    self._update_load(load)
-                fut = self.controls.get(batch.req_id)
-                if fut is not None and not fut.done():
-                    fut.set_result(batch)
-                continue
-            now = time.monotonic()                # a TextBatch: API_INBOX decodes nothing else
-            if batch.load is not None:
-                self._update_load(batch.load)
-            for out in batch.outputs:
-                state = self.states.get(out.rid)
-                if state is None:
-                    continue                      # ended here already (timeout, lost, ...)
-                terminal = out.finish is not None
-                state.timing.mark_output(now, terminal, len(out.new_ids))
-                if state.route is not None:
-                    metrics().output(state.timing.last_gap)
-                if terminal:
-                    self._forget(state)
-                state.push(out)
-                if terminal:
-                    self._finished(state, out)
+            if isinstance(batch, TextBatch):
+                self._deliver(batch)
+            else:                                 # API_INBOX decodes nothing else
+                others[type(batch)](batch)
+
+    def _control_reply(self, reply: ControlReply) -> None:
+        for load in reply.loads:
+            self._update_load(load)
+        fut = self.controls.get(reply.req_id)
+        if fut is not None and not fut.done():
+            fut.set_result(reply)
+
+    def _deliver(self, batch: TextBatch) -> None:
+        """Stamp each output and queue it on its request (the per-step path)."""
+        now = time.monotonic()
+        if batch.load is not None:
+            self._update_load(batch.load)
+        for out in batch.outputs:
+            state = self.states.get(out.rid)
+            if state is None:
+                continue                          # ended here already (timeout, lost, ...)
+            terminal = out.finish is not None
+            state.timing.mark_output(now, terminal, len(out.new_ids))
+            if state.route is not None:
+                metrics().output(state.timing.last_gap)
+            if terminal:
+                self._forget(state)
+            state.push(out)
+            if terminal:
+                self._finished(state, out)
 
 
 def total_load(loads: list[SchedulerLoad]) -> SchedulerLoad:

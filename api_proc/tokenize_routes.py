@@ -58,18 +58,23 @@ class TokenizeHandler:
             raise BadRequest(f"The model `{model}` does not exist.", 404)
         return body
 
-    async def tokenize(self, request: Request) -> Response:
+    async def _answer(self, request: Request, work, render) -> Response:
+        """Read and check the body, run work(body) off the event loop, answer
+        render(result); the client's mistakes are 4xx with their message."""
         from tokenizer_proc.process import RequestError
         try:
             body = await self._body(request)
-            ids = await asyncio.to_thread(self._tokenize, body)
+            result = await asyncio.to_thread(work, body)
         except BadRequest as e:
             return error_response(str(e), e.status)
         except RequestError as e:
             return error_response(str(e), 400)
-        out = {"tokens": ids, "count": [len(x) for x in ids] if _is_batch(ids) else len(ids),
-               "max_model_len": self.config.context_length}
-        return JSONResponse(out)
+        return JSONResponse(render(result))
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self._answer(request, self._tokenize, lambda ids: {
+            "tokens": ids, "count": [len(x) for x in ids] if _is_batch(ids) else len(ids),
+            "max_model_len": self.config.context_length})
 
     def _tokenize(self, body: dict) -> list:
         tok = self.tokenizer()
@@ -92,12 +97,8 @@ class TokenizeHandler:
         raise BadRequest(f"prompt must be a string or a list of 1 to {MAX_PROMPTS} strings.")
 
     async def detokenize(self, request: Request) -> Response:
-        try:
-            body = await self._body(request)
-            text = await asyncio.to_thread(self._detokenize, body)
-        except BadRequest as e:
-            return error_response(str(e), e.status)
-        return JSONResponse({"text": text, "prompt": text})
+        return await self._answer(request, self._detokenize,
+                                  lambda text: {"text": text, "prompt": text})
 
     def _detokenize(self, body: dict) -> str | list[str]:
         skip = body.get("skip_special_tokens", False)

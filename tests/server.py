@@ -173,3 +173,16 @@ def serving(model_path, *flags: str, tmpdir, env: dict | None = None):
     finally:
         code = s.terminate()
     assert code == 0, s.logs()
+
+
+@contextlib.contextmanager
+def serving_until_killed(model_path, *flags: str, tmpdir, env: dict | None = None):
+    """serving() for a module whose last test kills the server (a launch saved): when the
+    block ends the server has exited already, or must stop cleanly."""
+    s = Server(model_path, *flags, tmpdir=tmpdir, env=env)
+    try:
+        yield s
+    finally:
+        killed = s.proc.poll() is not None
+        code = s.terminate()
+    assert killed or code == 0, s.logs()

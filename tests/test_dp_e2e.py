@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.reference import assert_greedy_match, greedy_reference
-from tests.server import Server, pool_whole, wait_idle
+from tests.server import pool_whole, serving_until_killed, wait_idle
 from tests.test_lifecycle import assert_death_takes_the_server_down, assert_idle_uses_no_cpu
 
 pytestmark = pytest.mark.e2e
@@ -34,15 +34,11 @@ SERVERS = {"round_robin": (), "shortest_queue": ("--tp-size", "2")}
 @pytest.fixture(scope="module", params=list(SERVERS))
 def server(request, tiny_model, tmp_path_factory):
     """Each server ends in the last test, killed (no launch of its own for that)."""
-    s = Server(tiny_model("llama"), "--dp-size", "2", "--load-balance-method",
-               request.param, *SERVERS[request.param], tmpdir=tmp_path_factory.mktemp("dp"))
-    s.method = request.param
-    try:
+    with serving_until_killed(tiny_model("llama"), "--dp-size", "2", "--load-balance-method",
+                              request.param, *SERVERS[request.param],
+                              tmpdir=tmp_path_factory.mktemp("dp")) as s:
+        s.method = request.param
         yield s
-    finally:
-        killed = s.proc.poll() is not None
-        code = s.terminate()
-        assert killed or code == 0, s.logs()
 
 
 def prompts() -> list[list[int]]:

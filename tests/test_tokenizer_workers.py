@@ -25,7 +25,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.server import Server, wait_idle, wait_until
+from tests.server import Server, serving_until_killed, wait_idle, wait_until
 from tests.test_metrics import check_traffic, generate
 from tests.test_lifecycle import (LONG, assert_death_takes_the_server_down, gone,
                                   wait_running)
@@ -72,15 +72,10 @@ class Solo:
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     """Ends in the last test: its second API process is killed."""
-    s = Server(tiny_model("llama"), "--tokenizer-worker-num", str(WORKERS),
-               "--api-server-count", str(APIS), "--dp-size", "2",
-               tmpdir=tmp_path_factory.mktemp("tokw"))
-    try:
+    with serving_until_killed(tiny_model("llama"), "--tokenizer-worker-num", str(WORKERS),
+                              "--api-server-count", str(APIS), "--dp-size", "2",
+                              tmpdir=tmp_path_factory.mktemp("tokw")) as s:
         yield s
-    finally:
-        killed = s.proc.poll() is not None
-        code = s.terminate()
-        assert killed or code == 0, s.logs()
 
 
 def pinned_client(server: Server, api: int) -> httpx.Client:
@@ -253,6 +248,21 @@ def test_metrics_of_both_api_processes_add_up_in_either(server, clients):
     wait_idle(server)
 
 
+def abort_once_in_flight(client: httpx.Client, rid: str, future) -> None:
+    """POST /abort_request for rid until it finds the request ({"aborted": 1})."""
+    deadline = time.monotonic() + 30
+    while client.post("/abort_request", json={"rid": rid}).json()["aborted"] != 1:
+        assert time.monotonic() < deadline and not future.done(), "never in flight"
+
+
+def assert_aborted(r: httpx.Response, max_tokens: int) -> None:
+    """The request ended aborted with fewer than max_tokens tokens."""
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort", meta
+    assert meta["completion_tokens"] < max_tokens, meta
+
+
 @pytest.mark.parametrize("runs_on,aborted_through", [(0, 1), (1, 0)])
 def test_an_abort_through_the_other_api_process_reaches_its_request(
         server, clients, runs_on, aborted_through):
@@ -260,15 +270,9 @@ def test_an_abort_through_the_other_api_process_reaches_its_request(
     rid = f"cross-{runs_on}"
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(clients[runs_on].post, "/generate", json={**LONG, "rid": rid})
-        deadline = time.monotonic() + 30
-        while clients[aborted_through].post("/abort_request", json={"rid": rid}).json()[
-                "aborted"] != 1:
-            assert time.monotonic() < deadline and not future.done(), "never in flight"
+        abort_once_in_flight(clients[aborted_through], rid, future)
         r = future.result(timeout=60)
-    assert r.status_code == 200, r.text
-    meta = r.json()["meta_info"]
-    assert meta["finish_reason"]["type"] == "abort", meta
-    assert meta["completion_tokens"] < LONG["sampling_params"]["max_new_tokens"], meta
+    assert_aborted(r, LONG["sampling_params"]["max_new_tokens"])
 
 
 def test_abort_by_rid_reaches_its_request(server):
@@ -284,15 +288,8 @@ def test_abort_by_rid_reaches_its_request(server):
             future = pool.submit(server.generate, **LONG, rid=rid)
             if i == 0:
                 wait_running(server, future)
-            deadline = time.monotonic() + 30
-            while server.client.post("/abort_request", json={"rid": rid}).json()[
-                    "aborted"] != 1:
-                assert time.monotonic() < deadline and not future.done(), "never in flight"
-            r = future.result(timeout=60)
-            assert r.status_code == 200, r.text
-            meta = r.json()["meta_info"]
-            assert meta["finish_reason"]["type"] == "abort", meta
-            assert meta["completion_tokens"] < max_new, meta
+            abort_once_in_flight(server.client, rid, future)
+            assert_aborted(future.result(timeout=60), max_new)
     info = wait_idle(server)
     assert info["requests_in_flight"] == 0
 
@@ -320,10 +317,7 @@ def test_an_abort_that_overtakes_its_request_still_ends_it(server):
     try:
         with ThreadPoolExecutor(1) as pool:
             future = pool.submit(server.generate, **LONG, rid="overtaken")
-            deadline = time.monotonic() + 30
-            while server.client.post("/abort_request", json={"rid": "overtaken"}).json()[
-                    "aborted"] != 1:
-                assert time.monotonic() < deadline and not future.done(), "never in flight"
+            abort_once_in_flight(server.client, "overtaken", future)
             wait_until(lambda: wakeups(fast) != fast_before, what="the abort's worker")
             wait_until(lambda: wakeups(scheduler) != scheduler_before,
                        what="the scheduler to take the abort")
@@ -332,10 +326,7 @@ def test_an_abort_that_overtakes_its_request_still_ends_it(server):
             r = future.result(timeout=60)
     finally:
         slow.send_signal(signal.SIGCONT)
-    assert r.status_code == 200, r.text
-    meta = r.json()["meta_info"]
-    assert meta["finish_reason"]["type"] == "abort", meta
-    assert meta["completion_tokens"] == 0, meta
+    assert_aborted(r, 1)                        # without a token
     wait_idle(server)
 
 

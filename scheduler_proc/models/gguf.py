@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .llama import ROW_BIASES
 from wire.model_path import SIDECAR_FILE, SIDECAR_VERSION, gguf_file_key, gguf_sidecar_dir
 
 # general.architecture -> the HF architecture we build. Mistral GGUFs say "llama".
@@ -352,8 +353,7 @@ HF_PARTS = {"token_embd": "embed_tokens", "output": "lm_head", "attn_q": "q_proj
             "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
             "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 # Under tensor parallelism a row-parallel layer's bias is a parameter of its own (llama.py).
-ROW_BIAS_PARAMS = {"self_attn.o_proj.bias": "self_attn.o_bias",
-                   "mlp.down_proj.bias": "mlp.down_bias"}
+ROW_BIAS_PARAMS = {f"{module}.bias": param for param, module in ROW_BIASES.items()}
 
 
 def parameter_targets(config, shard=None) -> dict[str, tuple]:

@@ -83,6 +83,11 @@ def rope_cos_sin(config: ModelConfig, device: torch.device | str | None = None) 
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
+# Under tensor parallelism a row-parallel layer's bias is a parameter of its own, added once
+# after the ranks' sums are joined: our parameter -> the HF module whose bias it is.
+ROW_BIASES = {"self_attn.o_bias": "self_attn.o_proj", "mlp.down_bias": "mlp.down_proj"}
+
+
 class SelfAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, tp=None):
         """config: this rank's (its heads only); tp: the group under tensor parallelism,

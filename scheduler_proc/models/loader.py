@@ -27,7 +27,7 @@ from safetensors import safe_open
 from torch import nn
 
 from .config import ModelConfig
-from .llama import CausalLM
+from .llama import ROW_BIASES, CausalLM
 from scheduler_proc import kernels
 from scheduler_proc.tp import SOLO
 from .cpu_linear import CpuLinear
@@ -39,8 +39,6 @@ _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
-# Under tensor parallelism, our parameter for a row-parallel layer's bias -> its HF module.
-ROW_BIASES = {"self_attn.o_bias": "self_attn.o_proj", "mlp.down_bias": "mlp.down_proj"}
 
 # A checkpoint tensor's destination: our parameter, the rows of it the tensor fills, and
 # which part of the tensor this rank takes (None: all of it).
