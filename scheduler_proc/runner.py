@@ -119,7 +119,8 @@ class ModelRunner:
         self.dtype: torch.dtype = getattr(torch, resolved.dtype)
         self.config = ModelConfig.from_dir(resolved.model_path)     # the whole model's
         self.context_len = resolved.context_length
-        self.model = load_model(resolved.model_path, self.dtype, self.device, tp=tp)
+        self.model = load_model(resolved.model_path, self.dtype, self.device, tp=tp,
+                                quantization=resolved.quantization)
         self.eos_ids = list(self.config.eos_token_ids)
         c = self.model.config                       # this rank's heads (all of them on one)
         self.pool_size = args.max_total_tokens or self._default_pool_size(args)

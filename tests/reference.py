@@ -111,3 +111,20 @@ def assert_greedy_match(ours: list[int], ref_ids: list[int], ref_margins: list[f
             f"(reference margin there {ref_margins[i]:.3g}; compared {len(expected)} steps"
             + (f", first near-tie at step {tie}" if tie is not None else "") + ")\n"
             f"  ours[{lo}:{i + 4}]: {got[lo:i + 4]}\n  ref[{lo}:{i + 4}]:  {expected[lo:i + 4]}")
+
+
+def assert_greedy_through_ties(ours: list[int], ref_ids: list[int], margins: list[float],
+                               tie: float, what: str) -> int:
+    """tests/reference.py's near-tie rule, followed further: where ours chose the same token
+    as the reference at a near tie, both continue from the same context, so the comparison
+    goes on. Ours may first differ from the reference only at a near tie (margin < tie);
+    returns how many steps agreed (all of them, the whole length, if none differed)."""
+    for i, (a, b) in enumerate(zip(ours, ref_ids)):
+        if a != b:
+            assert margins[i] < tie, (
+                f"{what}: greedy mismatch at step {i}: ours {a}, reference {b}, whose "
+                f"top-1 / top-2 margin there is {margins[i]:.4g} (a near tie is < {tie})\n"
+                f"  ours: {ours[:i + 1]}\n  ref:  {ref_ids[:i + 1]}")
+            return i
+    assert len(ours) == len(ref_ids), f"{what}: {len(ours)} tokens, not {len(ref_ids)}"
+    return len(ref_ids)

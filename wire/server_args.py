@@ -77,6 +77,12 @@ class ServerArgs:
     device: str = _opt("cpu", "Device for the model: cpu or cuda.", choices=["cpu", "cuda"])
     dtype: str = _opt("auto", "Weight and activation dtype (auto: bfloat16 on cuda, float32 "
                       "on cpu).", choices=["auto", "float32", "bfloat16", "float16"])
+    quantization: str = _opt("auto", "Weights kept quantized in memory (CPU, one rank): "
+                             "gguf serves a GGUF file's Q8_0/Q4_0/Q4_1 layers in their own "
+                             "blocks on zserve's int8 kernels; int8 quantizes a float "
+                             "checkpoint's linear layers to Q8_0 at load; none dequantizes "
+                             "to --dtype. auto: gguf for a GGUF file where the CPU has AVX2, "
+                             "else none.", choices=["auto", "none", "gguf", "int8"])
     context_length: int | None = _opt(None, "Context length (default: the model's "
                                       "max_position_embeddings).")
     max_total_tokens: int | None = _opt(None, "KV pool size in tokens (default: from a "
@@ -231,6 +237,7 @@ class ServerConfig:
     dtype: str                 # float32, bfloat16 or float16: never "auto"
     model: ModelFacts          # from config.json: vocab size, parameters, architecture...
     model_source: str          # how the user named the model, for the banner
+    quantization: str = "none"  # none, gguf or int8: never "auto"
 
     @property
     def vocab_size(self) -> int:
@@ -243,6 +250,7 @@ class ServerConfig:
                 "tokenizer_path": self.tokenizer_path,
                 "served_model_name": self.served_model_name,
                 "context_length": self.context_length, "dtype": self.dtype,
+                "quantization": self.quantization,
                 "model_source": self.model_source, "num_params": self.model.num_params,
                 "vocab_size": self.model.vocab_size, "architecture": self.model.architecture,
                 "random_weights": self.model.random_weights}

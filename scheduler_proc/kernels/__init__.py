@@ -1,6 +1,7 @@
-"""zserve's own CPU kernels (AVX-512, in C): the library and its ctypes signatures.
+"""zserve's own CPU kernels (in C): the library and its ctypes signatures.
 
     linear.c       y = x W^T + b on weights laid out in panels (models/cpu_linear.py)
+    quant.c        y = x W^T + b on GGUF's Q8_0 / Q4_0 / Q4_1 blocks (models/quant_linear.py)
     attention.c    decode attention read in place from the paged KV pool (attention.py)
     elementwise.c  residual add + RMSNorm, RoPE, SiLU-and-multiply (models/llama.py)
     simd.h         what they share: float32/bfloat16 loads and stores, exp
@@ -13,6 +14,9 @@ that torch has already loaded, so torch.set_num_threads holds for them too.
 need (float32: AVX-512 F, BW and VL; bfloat16: also AVX512_BF16), where the compiler is missing or
 fails, or where ZSERVE_CPU_KERNELS=0 is set (to compare, or to rule them out); callers then
 fall back to torch (oneDNN-packed linears, SDPA, plain elementwise ops).
+The quantized kernels need less, AVX2 + FMA + F16C (every x86-64 CPU since 2013), and have
+their own check, `quant_available(device)`: where it is false, quantized weights are
+dequantized at load instead (--quantization, README "Quantized weights").
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import tempfile
 import torch
 
 from checkpoints.tiny import default_cache_root
+from wire.cpu import QUANT_FLAGS, cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -57,17 +62,10 @@ SIGNATURES = {
     "zs_rope": [_int, _p, _i64, _i64, _i64, _i64, _p, _p],
     # (bf16, gate_up, M, I, y)
     "zs_silu_mul": [_int, _p, _i64, _i64, _p],
+    # (ggml type, x, M, K, weight blocks, N, bias or NULL, y) -> 0, or -1: out of memory
+    "zs_linear_quant": [_int, _p, _i64, _i64, _p, _i64, _p, _p],
 }
-
-
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        text = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
+RESTYPES = {"zs_linear_quant": _int}
 
 
 @functools.cache
@@ -103,7 +101,7 @@ def build_library(out_dir: pathlib.Path, cc: str) -> ctypes.CDLL | None:
         return None
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, None
+        fn.argtypes, fn.restype = args, RESTYPES.get(name)
     return lib
 
 
@@ -111,4 +109,11 @@ def available(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Can this device and dtype run on our kernels?"""
     return (torch.device(device).type == "cpu" and dtype in CPU_FLAGS
             and os.environ.get("ZSERVE_CPU_KERNELS", "1") != "0"
-            and CPU_FLAGS[dtype] <= _cpu_flags() and library() is not None)
+            and CPU_FLAGS[dtype] <= cpu_flags() and library() is not None)
+
+
+def quant_available(device: torch.device | str) -> bool:
+    """Can this device run linear layers on quantized blocks (quant.c)?"""
+    return (torch.device(device).type == "cpu"
+            and os.environ.get("ZSERVE_CPU_KERNELS", "1") != "0"
+            and QUANT_FLAGS <= cpu_flags() and library() is not None)

@@ -5,6 +5,7 @@ This module owns everything zserve knows about a `.gguf` file:
     path = find_gguf(model_path)          # the .gguf behind a file / directory / sidecar, or None
     header = read_header(path)            # metadata + tensor table (no tensor data read)
     cfg = config_dict(header)             # what config.json would say: ModelConfig.from_dict(cfg)
+    native_linears(header, config)        # the linear layers kept in their blocks (quantization gguf)
     load_weights(header, config, params)  # dequantize every tensor into our parameters (loader.py;
                                           # under tensor parallelism, this rank's part of it)
     sidecar = materialize(path)           # config + tokenizer files as an HF directory, cached
@@ -400,19 +401,76 @@ def parameter_targets(config, shard=None) -> dict[str, tuple]:
     return targets
 
 
+def _permuted_heads(config) -> dict[str, int]:
+    """GGUF tensor -> its head count, for the tensors llama.cpp permuted (see the module
+    docstring): q and k, weights and biases, of the "llama" architecture."""
+    if config.family not in ("llama", "mistral"):
+        return {}
+    return {f"blk.{i}.{part}.{kind}": heads for i in range(config.num_layers)
+            for part, heads in (("attn_q", config.num_heads), ("attn_k", config.num_kv_heads))
+            for kind in ("weight", "bias")}
+
+
+def _unpermute_rows(rows, heads: int, head_dim: int):
+    """llama.cpp's LlamaModel.permute undone: rows h*D + s*D/2 + i (s: half, i < D/2) were
+    written at h*D + 2*i + s; reading [h, D/2, 2] back as [h, 2, D/2] undoes it. rows: a
+    torch tensor or numpy array whose first dimension is the rows (float values or a
+    quantized row's bytes: only whole rows move)."""
+    rest = tuple(rows.shape[1:])
+    return rows.reshape(heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(rows.shape)
+
+
+# The block types kernels/quant.c runs on (models/quant_linear.py: QuantLinear).
+NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj",
+            "lm_head")
+
+
+def native_linears(header: GGUFHeader, config) -> dict[str, tuple[str, np.ndarray, list[str]]]:
+    """For --quantization gguf (one rank): our linear module -> (its ggml type, its weight as
+    the file's own blocks, uint8 [out_features, bytes per row], the GGUF tensors read), for
+    each linear layer whose GGUF parts all have one type of NATIVE_TYPES; the others are
+    dequantized as usual. Fused parts are stacked in the parameter's row order and llama's
+    q/k rows un-permuted. A tied LM head takes token_embd's blocks (the embedding itself is
+    still dequantized for its lookups)."""
+    groups: dict[str, list[tuple[str, slice]]] = {}
+    for key, (param, rows, _) in parameter_targets(config).items():
+        module, _, kind = param.rpartition(".")
+        if kind == "weight" and module.endswith(_LINEARS):
+            groups.setdefault(module, []).append((key, rows))
+    if config.tie_word_embeddings:
+        groups["lm_head"] = [("token_embd.weight", slice(None))]
+    unpermute = _permuted_heads(config)
+    found = {}
+    for module, parts in groups.items():
+        infos = [header.tensors.get(key) for key, _ in parts]
+        types = {info.type_name for info in infos if info is not None}
+        if None in infos or len(types) != 1 or not types <= set(NATIVE_TYPES):
+            continue
+        parts.sort(key=lambda part: part[1].start or 0)
+        blocks = []
+        for key, _ in parts:
+            raw = header.raw(header.tensors[key])
+            blocks.append(_unpermute_rows(raw, unpermute[key], config.head_dim)
+                          if key in unpermute else raw)
+        found[module] = (types.pop(), np.concatenate(blocks), [key for key, _ in parts])
+    return found
+
+
 def load_weights(header: GGUFHeader, config, params: dict[str, torch.Tensor],
-                 shard=None) -> torch.Tensor | None:
+                 shard=None, native: frozenset[str] = frozenset()) -> torch.Tensor | None:
     """Dequantize every tensor of the file into its rows of `params` (allocated, any dtype
     and device). Returns the rope_freqs tensor (float32) if the file has one, else None.
     Raises ValueError naming missing / unexpected / mistyped tensors before reading any.
     config: the whole model's. shard (models/tp.py): under tensor parallelism, each tensor
-    is dequantized whole, un-permuted per head, then cut to this rank's part."""
+    is dequantized whole, un-permuted per head, then cut to this rank's part. native: the
+    tensors kept quantized (native_linears), which have no parameter here."""
     from tqdm import tqdm
 
     name = header.path.name
     targets = {k: v for k, v in parameter_targets(config, shard).items() if v[0] in params}
     extra = {"rope_freqs.weight"} if config.family in ("llama", "mistral") else set()
-    unexpected = sorted(set(header.tensors) - set(targets) - extra)
+    unexpected = sorted(set(header.tensors) - set(targets) - extra - native)
     missing = sorted(set(targets) - set(header.tensors))
     if missing or unexpected:
         raise ValueError(f"{name} does not match {config.architecture}: missing tensors "
@@ -431,14 +489,7 @@ def load_weights(header: GGUFHeader, config, params: dict[str, torch.Tensor],
             raise ValueError(f"{name}: {key} has shape {header.tensors[key].shape}, expected "
                              f"{want} for {config.architecture}")
 
-    # llama.cpp's LlamaModel.permute: rows h*D + s*D/2 + i (s: half, i < D/2) were written
-    # at h*D + 2*i + s. Reading [h, D/2, 2] back as [h, 2, D/2] undoes it.
-    unpermute = {}
-    if config.family in ("llama", "mistral"):
-        for i in range(config.num_layers):
-            for part, n_heads in (("attn_q", config.num_heads), ("attn_k", config.num_kv_heads)):
-                for kind in ("weight", "bias"):
-                    unpermute[f"blk.{i}.{part}.{kind}"] = n_heads
+    unpermute = _permuted_heads(config)
 
     def load_one(key: str) -> int:
         info = header.tensors[key]
@@ -447,9 +498,7 @@ def load_weights(header: GGUFHeader, config, params: dict[str, torch.Tensor],
         src = torch.from_numpy(values if values.flags.writeable else values.copy())
         dst = params[param][rows]
         if key in unpermute:        # by the whole model's heads: before any cut
-            h, d = unpermute[key], config.head_dim
-            rest = tuple(src.shape[1:])
-            src = src.reshape(h, d // 2, 2, *rest).transpose(1, 2).reshape(src.shape)
+            src = _unpermute_rows(src, unpermute[key], config.head_dim)
         if sel is not None:
             src = sel.take(src)
         dst.copy_(src)

@@ -13,11 +13,18 @@ Tensor parallelism (`tp` with size > 1): the module is built with this rank's co
 columns (`Shard.select`): safetensors reads just that slice, a GGUF tensor is dequantized
 whole and then cut. The full tensor's shape is still checked against the whole model's.
 The vocabulary block's padding rows (last rank) are zero.
+
+Quantization (--quantization; one rank, CPU with kernels.quant_available): "gguf" keeps a
+GGUF file's Q8_0 / Q4_0 / Q4_1 linear layers in their blocks (QuantLinear, quant_linear.py;
+they are never dequantized, their parameters never allocated); "int8" quantizes a float
+checkpoint's linear layers to Q8_0 blocks once loaded; "none" dequantizes (or keeps) floats.
+Embeddings, norms and any linear layer of another type stay in the dtype.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from pathlib import Path
 
@@ -32,6 +39,7 @@ from scheduler_proc import kernels
 from scheduler_proc.tp import SOLO
 from .cpu_linear import CpuLinear
 from .packed import PackedLinear, can_pack
+from .quant_linear import QuantLinear, quantize_q8_0
 from .tp import VOCAB_PARTS, Selection, Shard
 
 # Our fused projection -> its checkpoint parts, stacked in this order along the output dim.
@@ -45,28 +53,34 @@ _FUSED = {
 Target = tuple[str, slice, Selection | None]
 
 
+QUANTIZATIONS = ("none", "gguf", "int8")
+
+
 def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.device,
-               pack: bool | None = None, tp=SOLO) -> CausalLM:
+               pack: bool | None = None, tp=SOLO, quantization: str = "none") -> CausalLM:
     """model_path: an HF directory (config.json + *.safetensors), a .gguf file, a directory
     holding exactly one .gguf (and no config.json), or a GGUF sidecar directory.
     pack: lay the linear weights out for a CPU kernel (cpu_linear.py, else oneDNN's:
     packed.py); None: wherever one is available; False: keep plain nn.Linear.
-    tp: the tensor-parallel group (scheduler_proc/tp.py): load only this rank's share."""
+    tp: the tensor-parallel group (scheduler_proc/tp.py): load only this rank's share.
+    quantization: one of QUANTIZATIONS (module docstring)."""
     from . import gguf
 
     gguf_path = gguf.find_gguf(model_path)
     header = gguf.read_header(gguf_path) if gguf_path is not None else None
+    _check_quantization(quantization, header is not None, torch.device(device), tp)
     if header is not None:
         config = ModelConfig.from_dict(gguf.config_dict(header), gguf.generation_dict(header))
     else:
         config = ModelConfig.from_dir(model_path)
     with torch.device("meta"), _skip_init():
         model = CausalLM(config, tp)
+    native = _keep_gguf_blocks(model, header) if quantization == "gguf" else frozenset()
     params = {name: torch.empty(p.shape, dtype=dtype, device=device)
               for name, p in model.named_parameters()}
     rope_freqs = None
     if header is not None:
-        rope_freqs = gguf.load_weights(header, config, params, model.shard)
+        rope_freqs = gguf.load_weights(header, config, params, model.shard, native)
     else:
         _load_safetensors(Path(model_path), config, params, model.shard)
     if model.shard is not None:
@@ -80,6 +94,8 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.d
     layer = _cpu_linear_class(torch.device(device), dtype) if pack is not False else None
     if pack and layer is None:
         raise ValueError(f"no packed CPU linear layer for {dtype} on {device}")
+    if quantization == "int8":
+        layer = functools.partial(_quantize_int8, fallback=layer)
     if layer is not None:
         if model.lm_head is None:           # tied: the head gets its own (packed) copy
             rows, hidden = model.embed_tokens.weight.shape     # this rank's vocabulary block
@@ -87,6 +103,60 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.d
             model.lm_head.weight.data = model.embed_tokens.weight.data
         _replace_linears(model, layer)
     return model
+
+
+def _check_quantization(quantization: str, is_gguf: bool, device: torch.device, tp) -> None:
+    """A ValueError (one line for the user) if `quantization` cannot apply here."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization == "none":
+        return
+    if quantization == "gguf" and not is_gguf:
+        raise ValueError("quantization gguf serves a GGUF file's own quantized blocks: the "
+                         "model is not a GGUF file (use int8 to quantize a float checkpoint)")
+    if quantization == "int8" and is_gguf:
+        raise ValueError("quantization int8 quantizes a float checkpoint: for a GGUF file use "
+                         "gguf (its own blocks) or none")
+    if tp.size > 1:
+        raise ValueError(f"quantization {quantization} runs on one rank only, not under "
+                         f"tensor parallelism")
+    if not kernels.quant_available(device):
+        raise ValueError(f"quantization {quantization} needs zserve's quantized CPU kernels: "
+                         f"a CPU with AVX2, FMA and F16C and a C compiler (device {device})")
+
+
+def _keep_gguf_blocks(model: CausalLM, header) -> frozenset[str]:
+    """Swap every linear layer that the file stores in a native block type for a QuantLinear
+    holding those blocks (on the model still on `meta`: its parameters are not allocated);
+    returns the GGUF tensors so consumed."""
+    from . import gguf
+
+    used = set()
+    for name, (qtype, blocks, keys) in gguf.native_linears(header, model.config).items():
+        old = None if name == "lm_head" and model.lm_head is None else model.get_submodule(name)
+        out_features = old.out_features if old is not None else model.config.vocab_size
+        in_features = old.in_features if old is not None else model.config.hidden_size
+        if blocks.shape[0] != out_features:
+            raise ValueError(f"{header.path.name}: {', '.join(keys)} hold {blocks.shape[0]} "
+                             f"rows, expected {out_features} for {name}")
+        bias = None if old is None or old.bias is None else old.bias      # still on meta
+        quant = QuantLinear(qtype, torch.from_numpy(blocks.copy()), in_features, bias)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, quant)
+        if name != "lm_head" or not model.config.tie_word_embeddings:
+            used.update(keys)
+    return frozenset(used)
+
+
+def _quantize_int8(weight: torch.Tensor, bias: torch.Tensor | None,
+                   fallback: type[nn.Module] | None) -> nn.Module | None:
+    """--quantization int8: a loaded float linear layer as Q8_0 blocks (one scale per 32
+    weights). A layer whose input width is not a multiple of 32 gets `fallback` (the float
+    layer it would have had), or stays as it is (None)."""
+    if weight.shape[1] % 32:
+        return fallback(weight, bias) if fallback is not None else None
+    return QuantLinear("Q8_0", quantize_q8_0(weight), weight.shape[1],
+                       None if bias is None else bias.detach())
 
 
 @contextlib.contextmanager
@@ -154,10 +224,12 @@ def _cpu_linear_class(device: torch.device, dtype: torch.dtype) -> type[nn.Modul
 
 
 def _replace_linears(model: nn.Module, layer: type[nn.Module]) -> None:
-    """Replace every nn.Linear below `model` with layer(weight, bias), in place."""
+    """Replace every nn.Linear below `model` with layer(weight, bias) (unless that is None),
+    in place."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(model, name, layer(child.weight, child.bias))
+            if (new := layer(child.weight, child.bias)) is not None:
+                setattr(model, name, new)
         else:
             _replace_linears(child, layer)
 

