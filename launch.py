@@ -47,7 +47,7 @@ from wire.messages import ApiControl, NodeBye, NodeHello, NodeReply
 from wire.model_path import (SIDECAR_FILE, StartupError, describe_source, gguf_sidecar_dir,
                              model_facts, model_fingerprint, resolve_model_path)
 from wire.proc import read_ready
-from wire.cpu import runs_quant_kernels
+from wire.cpu import runs_avx2_kernels
 from wire.server_args import ServerArgs, ServerConfig, concrete_dtype, split_host_port
 
 log = logging.getLogger("zserve")
@@ -103,7 +103,7 @@ def resolve_quantization(args: ServerArgs, is_gguf: bool) -> str:
     asked = args.quantization
     where = ("--device cuda" if args.device != "cpu" else
              f"--tp-size {args.tp_size}" if args.tp_size > 1 else
-             None if runs_quant_kernels() else
+             None if runs_avx2_kernels() else
              "this CPU (the kernels need AVX2, FMA and F16C)")
     if asked == "auto":
         return "gguf" if is_gguf and where is None else "none"

@@ -36,7 +36,7 @@ import pytest
 
 from tests.reference import assert_greedy_through_ties
 from tests.server import serving
-from wire.cpu import runs_quant_kernels
+from wire.cpu import runs_avx2_kernels
 
 pytestmark = pytest.mark.e2e
 
@@ -141,7 +141,7 @@ def test_capital_of_france_through_openai_sdk(server):
     assert choice.finish_reason == "stop"                   # it ends its answer by itself
 
 
-@pytest.mark.skipif(not runs_quant_kernels(), reason="no AVX2: the default dequantizes")
+@pytest.mark.skipif(not runs_avx2_kernels(), reason="no AVX2: the default dequantizes")
 def test_no_flags_serves_the_file_quantized(tmp_path):
     """What a newcomer runs: no flags at all serves the Q4_1 file's own blocks (its layers
     Q4_1, its head Q8_0), says so in the banner and /server_info, and chats to the end of

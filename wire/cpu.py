@@ -7,8 +7,9 @@ from __future__ import annotations
 import functools
 import pathlib
 
-# The instructions kernels/quant.c is compiled for (every x86-64 CPU since 2013).
-QUANT_FLAGS = frozenset({"avx2", "fma", "f16c"})
+# What zserve's AVX2 kernels need (every x86-64 CPU since 2013): kernels/quant.c, and the
+# float32 decode attention of kernels/attention.c on CPUs without AVX-512.
+AVX2_FLAGS = frozenset({"avx2", "fma", "f16c"})
 
 
 @functools.cache
@@ -22,5 +23,5 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
-def runs_quant_kernels() -> bool:
-    return QUANT_FLAGS <= cpu_flags()
+def runs_avx2_kernels() -> bool:
+    return AVX2_FLAGS <= cpu_flags()

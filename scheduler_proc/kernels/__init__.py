@@ -14,9 +14,10 @@ that torch has already loaded, so torch.set_num_threads holds for them too.
 need (float32: AVX-512 F, BW and VL; bfloat16: also AVX512_BF16), where the compiler is missing or
 fails, or where ZSERVE_CPU_KERNELS=0 is set (to compare, or to rule them out); callers then
 fall back to torch (oneDNN-packed linears, SDPA, plain elementwise ops).
-The quantized kernels need less, AVX2 + FMA + F16C (every x86-64 CPU since 2013), and have
-their own check, `quant_available(device)`: where it is false, quantized weights are
-dequantized at load instead (--quantization, README "Quantized weights").
+Two kernels need less, AVX2 + FMA + F16C (every x86-64 CPU since 2013), and have their own
+check, `avx2_available(device)`: the quantized linear layers (where it is false, quantized
+weights are dequantized at load instead: --quantization, README "Quantized weights") and a
+float32 decode attention for CPUs without AVX-512 (attention.c: zs_decode_attention_avx2).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import tempfile
 import torch
 
 from checkpoints.tiny import default_cache_root
-from wire.cpu import QUANT_FLAGS, cpu_flags
+from wire.cpu import AVX2_FLAGS, cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,10 @@ SIGNATURES = {
     # (bf16, q, q row stride, kv, table, ctx, rows, lens, B, H, Hkv, D, scale, out)
     "zs_decode_attention": [_int, _p, _i64, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64,
                             _float, _p],
+    # the same, float32 only, AVX2: (q, q row stride, kv, table, ctx, rows, lens, B, H, Hkv,
+    # D, scale, out)
+    "zs_decode_attention_avx2": [_p, _i64, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64,
+                                 _float, _p],
     # (bf16, kv, slots, N, k, v, k/v row stride, Hkv * D)
     "zs_kv_write": [_int, _p, _p, _i64, _p, _p, _i64, _i64],
     # (bf16, x, residual or NULL, h out or NULL, weight, eps, M, D, y)
@@ -112,8 +117,8 @@ def available(device: torch.device | str, dtype: torch.dtype) -> bool:
             and CPU_FLAGS[dtype] <= cpu_flags() and library() is not None)
 
 
-def quant_available(device: torch.device | str) -> bool:
-    """Can this device run linear layers on quantized blocks (quant.c)?"""
+def avx2_available(device: torch.device | str) -> bool:
+    """Can this device run the AVX2 kernels (quant.c, zs_decode_attention_avx2)?"""
     return (torch.device(device).type == "cpu"
             and os.environ.get("ZSERVE_CPU_KERNELS", "1") != "0"
-            and QUANT_FLAGS <= cpu_flags() and library() is not None)
+            and AVX2_FLAGS <= cpu_flags() and library() is not None)

@@ -183,3 +183,129 @@ void zs_kv_write(int bf16, void *kv, const int64_t *slots, int64_t N, const void
         memcpy(dst + row, (const char *)v + i * stride * esz, row);
     }
 }
+
+/* ---- AVX2 (float32 only): the same algorithm for CPUs without AVX-512 ------------------
+ * 8 float32 lanes; K/V and q are float32. The same blocks, online softmax and task split
+ * as above; exp is exp8 below (the polynomial of exp_ps, 2^n built in the exponent bits,
+ * inputs clamped to [-87, 88]: softmax feeds it s - max <= 0, and e^-87 is 0 at the
+ * precision of a sum of weights >= 1). */
+
+#define TARGET_AVX2 __attribute__((target("avx2,fma")))
+
+INLINE TARGET_AVX2 __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                   _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+INLINE TARGET_AVX2 float hsum8_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* decode_task for float32 on AVX2; nd = D / 8, a compile-time constant at each call. */
+INLINE TARGET_AVX2 void decode_task8(const int nd, const float *q, const float *kv,
+                                     const int64_t *slots, int64_t len, int64_t H,
+                                     int64_t Hkv, int64_t g0, int64_t g1, float scale,
+                                     float *out) {
+    const int64_t G = H / Hkv, D = nd * 8;
+    const int64_t row = 2 * Hkv * D;                         /* floats per slot */
+    float acc[MAX_HEADS][MAX_D], m[MAX_HEADS], l[MAX_HEADS], s[BLOCK + 8];
+    for (int64_t h = g0 * G; h < g1 * G; h++) {
+        memset(acc[h], 0, (size_t)D * sizeof(float));
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    prefetch_rows(kv, slots, len < BLOCK ? len : BLOCK, row * 4);
+    for (int64_t t0 = 0; t0 < len; t0 += BLOCK) {
+        const int64_t n = len - t0 < BLOCK ? len - t0 : BLOCK;
+        const int64_t *blk = slots + t0;
+        if (t0 + BLOCK < len)
+            prefetch_rows(kv, blk + BLOCK, len - t0 - BLOCK < BLOCK ? len - t0 - BLOCK : BLOCK,
+                          row * 4);
+        for (int64_t h = g0 * G; h < g1 * G; h++) {
+            const int64_t g = h / G;
+            const float *kbase = kv + g * D, *vbase = kv + (Hkv + g) * D;
+            __m256 qv[MAX_D / 8], a[MAX_D / 8];
+            for (int d = 0; d < nd; d++)
+                qv[d] = _mm256_mul_ps(_mm256_loadu_ps(q + h * D + 8 * d), _mm256_set1_ps(scale));
+            float bm = m[h];
+            for (int64_t t = 0; t < n; t++) {                 /* scores */
+                const float *k = kbase + blk[t] * row;
+                __m256 dot = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
+                for (int d = 1; d < nd; d++)
+                    dot = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(k + 8 * d), dot);
+                s[t] = hsum8_ps(dot);
+                bm = s[t] > bm ? s[t] : bm;
+            }
+            const float corr = expf(m[h] - bm);              /* online softmax */
+            m[h] = bm;
+            for (int64_t t = n; t < ((n + 7) & ~7); t++) s[t] = -INFINITY;
+            __m256 lsum = _mm256_setzero_ps();
+            for (int64_t t = 0; t < n; t += 8) {
+                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(bm)));
+                if (n - t < 8) {                              /* the padding weighs 0 */
+                    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                    e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                        _mm256_set1_epi32((int)(n - t)), lane)));
+                }
+                lsum = _mm256_add_ps(lsum, e);
+                _mm256_storeu_ps(s + t, e);
+            }
+            l[h] = l[h] * corr + hsum8_ps(lsum);
+            for (int d = 0; d < nd; d++)
+                a[d] = _mm256_mul_ps(_mm256_loadu_ps(acc[h] + 8 * d), _mm256_set1_ps(corr));
+            for (int64_t t = 0; t < n; t++) {                 /* p v */
+                const float *v = vbase + blk[t] * row;
+                const __m256 p = _mm256_set1_ps(s[t]);
+                for (int d = 0; d < nd; d++)
+                    a[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * d), a[d]);
+            }
+            for (int d = 0; d < nd; d++) _mm256_storeu_ps(acc[h] + 8 * d, a[d]);
+        }
+    }
+    for (int64_t h = g0 * G; h < g1 * G; h++) {
+        const __m256 inv = _mm256_set1_ps(1.0f / l[h]);
+        for (int d = 0; d < nd; d++)
+            _mm256_storeu_ps(out + h * D + 8 * d,
+                             _mm256_mul_ps(_mm256_loadu_ps(acc[h] + 8 * d), inv));
+    }
+}
+
+#define TASK8(nd_) decode_task8(nd_, qb, (const float *)kv, table + rows[b] * ctx, lens[b], \
+                                H, Hkv, g0, g1, scale, ob)
+
+/* zs_decode_attention's arguments, float32 only (no bf16 flag). */
+TARGET_AVX2 void zs_decode_attention_avx2(const float *q, int64_t q_stride, const void *kv,
+                                          const int64_t *table, int64_t ctx,
+                                          const int64_t *rows, const int64_t *lens, int64_t B,
+                                          int64_t H, int64_t Hkv, int64_t D, float scale,
+                                          float *out) {
+    const int64_t per_task = B >= 4 * omp_get_max_threads() ? Hkv : 1;
+    const int64_t tasks_per_row = Hkv / per_task;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < B * tasks_per_row; task++) {
+        const int64_t b = task / tasks_per_row;
+        const int64_t g0 = task % tasks_per_row * per_task, g1 = g0 + per_task;
+        const float *qb = q + b * q_stride;
+        float *ob = out + b * H * D;
+        switch (D) {
+        case 32: TASK8(4); break;   case 64: TASK8(8); break;
+        case 128: TASK8(16); break; case 256: TASK8(32); break;
+        }
+    }
+}

@@ -14,7 +14,7 @@ columns (`Shard.select`): safetensors reads just that slice, a GGUF tensor is de
 whole and then cut. The full tensor's shape is still checked against the whole model's.
 The vocabulary block's padding rows (last rank) are zero.
 
-Quantization (--quantization; one rank, CPU with kernels.quant_available): "gguf" keeps a
+Quantization (--quantization; one rank, CPU with kernels.avx2_available): "gguf" keeps a
 GGUF file's Q8_0 / Q4_0 / Q4_1 linear layers in their blocks (QuantLinear, quant_linear.py;
 they are never dequantized, their parameters never allocated); "int8" quantizes a float
 checkpoint's linear layers to Q8_0 blocks once loaded; "none" dequantizes (or keeps) floats.
@@ -120,7 +120,7 @@ def _check_quantization(quantization: str, is_gguf: bool, device: torch.device, 
     if tp.size > 1:
         raise ValueError(f"quantization {quantization} runs on one rank only, not under "
                          f"tensor parallelism")
-    if not kernels.quant_available(device):
+    if not kernels.avx2_available(device):
         raise ValueError(f"quantization {quantization} needs zserve's quantized CPU kernels: "
                          f"a CPU with AVX2, FMA and F16C and a C compiler (device {device})")
 

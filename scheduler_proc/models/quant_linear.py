@@ -10,7 +10,7 @@ single-stream decode that is bound by memory bandwidth reads 3.5-7x fewer bytes.
 x is quantized to int8 per block of 32 inside the kernel, as llama.cpp does: outputs differ
 from dequantize-then-matmul by x's rounding only (relative ~1e-3 of a typical output).
 x and y are float32 for the kernel; another model dtype (bfloat16) is cast around it.
-Only where kernels.quant_available(cpu); elsewhere the loader dequantizes (loader.py).
+Only where kernels.avx2_available(cpu); elsewhere the loader dequantizes (loader.py).
 """
 
 from __future__ import annotations
