@@ -1,14 +1,19 @@
-"""Offline throughput: zserve vs Hugging Face transformers on the same checkpoint.
+"""Offline throughput: zserve vs Hugging Face transformers, and vs llama.cpp, on the same
+checkpoint.
 
     python -m bench.throughput [--model-path DIR|FILE.gguf] [--dtype float32|bfloat16]
+        [--quantization auto|none|gguf|int8]
         [--num-prompts 32] [--input-len 32] [--output-len 128] [--mode batch|single|both]
         [--single-prompts 4] [--url URL] [--skip-hf] [--json PATH] [--server-args "..."]
         [--compare-configs base= dp2="--dp-size 2" tp2="--tp-size 2" ...]
+        [--llama-server BIN] [--llama-bench BIN] [--llama-model FILE.gguf]
+        [--llama-threads N] [--rounds R]
 
 --model-path: an HF checkpoint directory or a GGUF file (or a directory holding one); without
 it, the model launch.py serves by default (SmolLM2-135M-Instruct, a Q4_1 GGUF). A GGUF is
 served by zserve as it is and loaded by transformers with `gguf_file=` (both dequantize it
-to the same float32 weights, then cast them to --dtype).
+to the same float32 weights, then cast them to --dtype, unless zserve keeps them quantized:
+see --quantization).
 
 Workload: num_prompts prompts of input_len random token ids in [10, 700) (seeded), each
 generating exactly output_len tokens (greedy, EOS ignored).
@@ -19,6 +24,31 @@ generating exactly output_len tokens (greedy, EOS ignored).
             (like a benchmark client); wall = first submit -> last completion.
     single: --single-prompts prompts, one request at a time.
   The server is stopped (SIGTERM) before transformers runs, so the two never share the CPU.
+  --quantization X is passed to launch.py (before --compare-configs' flags, so an entry's
+  own wins). The `weights` column says what zserve served, from /server_info's
+  quantization and dtype: a GGUF's linear layers kept in their own blocks (gguf: e.g.
+  "Q4_1+Q8_0 blocks", the types read from the file; a layer of another type is dequantized,
+  e.g. ", Q6_K as float32"), "int8 (Q8_0) blocks" (int8), or the dtype (none).
+- llama.cpp (--llama-server BIN): llama-server on --llama-model (default: the model, when it
+  is a GGUF; for an HF directory, a GGUF of the same model), on a free port with
+  -t/-tb --llama-threads (default: torch's thread count, the one zserve runs with),
+  -np num_prompts slots, -cb, and -c num_prompts x (input_len + output_len rounded up to
+  256). The same prompt ids go to POST /completion {"prompt": ids, "n_predict",
+  "ignore_eos": true, "temperature": 0, "repeat_penalty": 1.0, "cache_prompt": false} through
+  the same client code as zserve's: warm-up, then batch (all at once) and single (one at a
+  time), tok/s computed the same way. TTFT/TPOT/e2e come from the response's `timings`
+  (prompt_ms: start of prompt processing to the first token; predicted_ms: first token to
+  the last), so a wait for a free slot is not in them (there is none with a slot per prompt).
+- --rounds R: zserve (each --compare-configs entry in turn), then llama-server, R times,
+  alternating. Each server is launched for its turn and stopped after it, so only one is up
+  at a time; a launched llama-server never outlives this process (stopped in a finally, and
+  on Linux sent SIGTERM by the kernel if this process dies first; SIGTERM to this process
+  runs the same cleanup). The table gives every round and, for R > 1, the median of each
+  column; "zserve/llama.cpp" is printed per mode as the ratio of the median tok/s, with the
+  per-round ratios.
+- --llama-bench BIN: `BIN -m FILE -t N -p 0 -n 128 -r 3 -o json` once after the rounds (no
+  server up): its tg128 rate (batch-1 decode of 128 tokens, no HTTP, no prefill, mean of 3
+  runs) is one more single-mode row, a reference for zserve's single mode.
 - transformers: AutoModelForCausalLM in the same dtype, generate() with static batching of
   all prompts (batch) or batch size 1 (single); do_sample=False, min_new_tokens =
   max_new_tokens = output_len (so EOS cannot end a sequence early).
@@ -34,27 +64,36 @@ torch.set_num_threads is left at its default in both systems.
 --compare-configs LABEL=FLAGS ...: zserve is run once per entry, one server after another,
 each with those launch.py flags added (the scale-out flags: --dp-size, --tp-size, ...); a
 second table gives each one's tokens/s as a multiple of the first entry's, its mean TTFT and
-the resident memory of its whole process tree after the run.
+the resident memory of its whole process tree after the run (for R > 1 rounds, the medians).
+
+--json PATH writes all of it: the configuration, every row (with its round), the servers'
+/server_info, the llama-server command, llama-bench's JSON row and the ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import dataclasses
 import json
 import os
 import pathlib
 import platform
 import random
 import shlex
+import signal
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 import httpx
 import psutil
 
-from tests.server import Server     # the one harness for launching zserve as a subprocess
+from tests.server import Server, free_port   # the harness for launching zserve as a subprocess
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TOKEN_LOW, TOKEN_HIGH = 10, 700     # valid for the tiny tokenizer (754 tokens) too
@@ -104,6 +143,50 @@ def matmul_params(model_path: str) -> dict:
         on_disk = "GGUF " + " + ".join(types)
     return {"matmul": layers * per_layer + lm_head, "total": total, "layers": layers,
             "tied": tied, "dtype_on_disk": on_disk}
+
+
+# zserve's linear layers (fused as it fuses them) by their GGUF parts; then the LM head.
+_GGUF_LINEARS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"),
+                 ("ffn_down",))
+_FLOAT_TYPES = {"F32", "F16", "BF16"}
+
+
+def linear_types(gguf: pathlib.Path) -> list[set[str]]:
+    """The GGUF tensor types of each linear layer: qkv, o, gate_up and down of every block,
+    then the LM head (output.weight, or token_embd.weight when the embedding is tied)."""
+    from scheduler_proc.models.gguf import read_header
+    tensors = read_header(gguf).tensors
+    blocks = sorted({int(name.split(".")[1]) for name in tensors if name.startswith("blk.")})
+    groups = [[f"blk.{i}.{part}.weight" for part in parts]
+              for i in blocks for parts in _GGUF_LINEARS]
+    groups.append(["output.weight" if "output.weight" in tensors else "token_embd.weight"])
+    return [{tensors[name].type_name for name in g if name in tensors} for g in groups]
+
+
+def zserve_weights(info: dict, model_path: str) -> str | None:
+    """What a zserve server computes its linear layers with, from /server_info: a GGUF's
+    blocks ("Q4_1+Q8_0 blocks"; a layer whose parts are not all of one type the kernels
+    run on is dequantized to the dtype), "int8 (Q8_0) blocks", or the dtype."""
+    quantization, dtype = info.get("quantization"), info.get("dtype")
+    if quantization == "int8":
+        return "int8 (Q8_0) blocks"
+    if quantization == "gguf":
+        from scheduler_proc.models.gguf import NATIVE_TYPES
+        if (gguf := gguf_file(model_path)) is None:
+            return "gguf blocks"
+        kept, cast = set(), set()
+        for types in linear_types(gguf):
+            (kept if len(types) == 1 and types <= set(NATIVE_TYPES) else cast).update(types)
+        label = [f"{'+'.join(sorted(kept))} blocks"] if kept else []
+        label += [f"{'+'.join(sorted(cast))} as {dtype}"] if cast else []
+        return ", ".join(label)
+    return dtype        # none: everything dequantized (or cast) to the dtype
+
+
+def llama_weights(gguf: pathlib.Path) -> str:
+    """What llama.cpp computes a GGUF's linear layers with: the file's own types."""
+    types = set().union(*linear_types(gguf))
+    return "+".join(sorted(types)) + ("" if types <= _FLOAT_TYPES else " blocks")
 
 
 def measure_peak_gflops(dtype: str, n: int = 2048, reps: int = 5) -> float:
@@ -204,6 +287,142 @@ def _check(resp: httpx.Response, output_len: int) -> dict:
     return meta
 
 
+# ---------------------------------------------------------------------------------------
+# llama.cpp
+
+
+def _die_with_parent_fn():
+    """A preexec_fn that has the kernel SIGTERM the child when this process dies, even by
+    SIGKILL (Linux's PR_SET_PDEATHSIG), or None elsewhere. prctl is looked up here, in the
+    parent: the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(1, signal.SIGTERM)     # 1: PR_SET_PDEATHSIG
+
+
+class LlamaServer:
+    """llama.cpp's llama-server as a subprocess on a free port, up for one turn.
+
+    Invariant: no llama-server outlives its turn. stop() (from a finally) ends it, SIGTERM then
+    SIGKILL, and reaps it; a failed or interrupted startup stops it before raising; if this
+    process dies without running either, the kernel sends it SIGTERM."""
+
+    def __init__(self, binary: str, model: str, slots: int, ctx: int, threads: int,
+                 timeout: float = 180.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = [binary, "-m", model, "-t", str(threads), "-tb", str(threads),
+                        "-np", str(slots), "-cb", "-c", str(ctx),
+                        "--host", "127.0.0.1", "--port", str(self.port)]
+        self.log_path = pathlib.Path(tempfile.gettempdir()) / f"llama-server-{self.port}.log"
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_die_with_parent_fn())
+        try:
+            self._wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:                     # /health answers 503 while the model loads
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}:\n"
+                                   f"{self.logs()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"llama-server not healthy after {timeout:.0f}s:\n"
+                                   f"{self.logs()[-4000:]}")
+            time.sleep(0.2)
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+def llama_slot_context(input_len: int, output_len: int) -> int:
+    """One slot's context: a prompt and its output (at least the warm-up's 8 tokens), rounded
+    up to 256 (-c is divided evenly among the -np slots)."""
+    need = input_len + max(output_len, 8) + 1
+    return -(-need // 256) * 256
+
+
+def _llama_body(ids, output_len: int) -> dict:
+    return {"prompt": ids, "n_predict": output_len, "ignore_eos": True, "temperature": 0,
+            "repeat_penalty": 1.0, "cache_prompt": False}
+
+
+def _llama_check(resp: httpx.Response, output_len: int) -> dict:
+    """A /completion answer as zserve's meta_info would give it (seconds; None if missing)."""
+    if resp.status_code != 200:
+        raise RuntimeError(f"/completion returned {resp.status_code}: {resp.text[:500]}")
+    out = resp.json()
+    timings = out.get("timings") or {}
+    n = out.get("tokens_predicted", timings.get("predicted_n", 0))
+    if n != output_len:
+        print(f"# warning: a llama.cpp request generated {n} tokens, not {output_len} "
+              f"(stop_type {out.get('stop_type')})", file=sys.stderr)
+    prompt_ms, predicted_ms = timings.get("prompt_ms"), timings.get("predicted_ms")
+    return {"completion_tokens": n,
+            "first_token_latency": None if prompt_ms is None else prompt_ms / 1e3,
+            "e2e_latency": (None if prompt_ms is None or predicted_ms is None
+                            else (prompt_ms + predicted_ms) / 1e3)}
+
+
+def run_llama_bench(binary: str, model: str, threads: int, n_gen: int = 128,
+                    reps: int = 3) -> tuple[dict, dict]:
+    """llama-bench's batch-1 decode rate (tg): (a single-mode result row, its JSON row)."""
+    cmd = [binary, "-m", model, "-t", str(threads), "-p", "0", "-n", str(n_gen),
+           "-r", str(reps), "-o", "json"]
+    print(f"# llama-bench: {shlex.join(cmd)}", file=sys.stderr)
+    done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          preexec_fn=_die_with_parent_fn())
+    if done.returncode != 0:
+        raise RuntimeError(f"llama-bench exited with {done.returncode}:\n{done.stderr[-2000:]}")
+    row = next(r for r in json.loads(done.stdout) if r["n_prompt"] == 0 and r["n_gen"] == n_gen)
+    samples = row.get("samples_ns") or [row["avg_ns"]] * reps
+    tok_s = row["avg_ts"]                       # llama-bench's own: mean of the runs' rates
+    result = _result(f"llama-bench tg{n_gen}", "single", "-", len(samples),
+                     n_gen * len(samples), sum(samples) / 1e9, [None], [s / 1e9 for s in samples],
+                     [1 / tok_s], command=shlex.join(cmd), stddev_tok_s=row.get("stddev_ts"))
+    result["tok_s"] = tok_s
+    return result, row
+
+
+# ---------------------------------------------------------------------------------------
+# The client, one for both servers: one POST per prompt
+
+
+@dataclasses.dataclass(frozen=True)
+class Api:
+    """How a server takes one prompt of ids: body(ids, output_len) is the JSON to POST to
+    route; check(response, output_len) gives the answer's facts as zserve's meta_info names
+    them (completion_tokens, first_token_latency, e2e_latency, queue_time; seconds)."""
+    system: str
+    route: str
+    body: Callable[[list[int], int], dict]
+    check: Callable[[httpx.Response, int], dict]
+
+
+ZSERVE = Api("zserve", "/generate", _body, _check)
+LLAMA = Api("llama.cpp", "/completion", _llama_body, _llama_check)
+
+
 def _tpot(meta: dict) -> float | None:
     n = meta.get("completion_tokens", 0)
     if n < 2 or meta.get("e2e_latency") is None or meta.get("first_token_latency") is None:
@@ -211,13 +430,13 @@ def _tpot(meta: dict) -> float | None:
     return (meta["e2e_latency"] - meta["first_token_latency"]) / (n - 1)
 
 
-async def _zserve_concurrent(url: str, prompts, output_len: int):
+async def _post_concurrent(api: Api, url: str, prompts, output_len: int):
     limits = httpx.Limits(max_connections=len(prompts) + 4,
                           max_keepalive_connections=len(prompts) + 4)
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
         async def one(ids):
-            r = await client.post("/generate", json=_body(ids, output_len))
-            return _check(r, output_len), time.perf_counter()
+            r = await client.post(api.route, json=api.body(ids, output_len))
+            return api.check(r, output_len), time.perf_counter()
 
         t0 = time.perf_counter()
         done = await asyncio.gather(*(one(p) for p in prompts))
@@ -225,31 +444,31 @@ async def _zserve_concurrent(url: str, prompts, output_len: int):
     return [m for m, _ in done], wall
 
 
-def zserve_warmup(url: str, prompts, output_len: int) -> None:
+def warmup(api: Api, url: str, prompts, output_len: int) -> None:
     with httpx.Client(base_url=url, timeout=None) as c:
         for p in prompts[:2]:
-            _check(c.post("/generate", json=_body(p, 8)), 8)
-    asyncio.run(_zserve_concurrent(url, prompts, min(4, output_len)))
+            api.check(c.post(api.route, json=api.body(p, 8)), 8)
+    asyncio.run(_post_concurrent(api, url, prompts, min(4, output_len)))
 
 
-def zserve_batch(url: str, prompts, output_len: int, dtype: str) -> dict:
-    metas, wall = asyncio.run(_zserve_concurrent(url, prompts, output_len))
+def run_batch(api: Api, url: str, prompts, output_len: int, dtype: str) -> dict:
+    metas, wall = asyncio.run(_post_concurrent(api, url, prompts, output_len))
     toks = sum(m["completion_tokens"] for m in metas)
-    return _result("zserve", "batch", dtype, len(prompts), toks, wall,
+    return _result(api.system, "batch", dtype, len(prompts), toks, wall,
                    [m.get("first_token_latency") for m in metas],
                    [m.get("e2e_latency") for m in metas], [_tpot(m) for m in metas],
                    queue_mean_s=_mean([m.get("queue_time") for m in metas]))
 
 
-def zserve_single(url: str, prompts, output_len: int, dtype: str) -> dict:
+def run_single(api: Api, url: str, prompts, output_len: int, dtype: str) -> dict:
     metas, wall = [], 0.0
     with httpx.Client(base_url=url, timeout=None) as c:
         for p in prompts:
             t0 = time.perf_counter()
-            metas.append(_check(c.post("/generate", json=_body(p, output_len)), output_len))
+            metas.append(api.check(c.post(api.route, json=api.body(p, output_len)), output_len))
             wall += time.perf_counter() - t0
     toks = sum(m["completion_tokens"] for m in metas)
-    return _result("zserve", "single", dtype, len(prompts), toks, wall,
+    return _result(api.system, "single", dtype, len(prompts), toks, wall,
                    [m.get("first_token_latency") for m in metas],
                    [m.get("e2e_latency") for m in metas], [_tpot(m) for m in metas])
 
@@ -341,30 +560,88 @@ def _fmt(x, scale=1.0, spec=".1f", none="-"):
     return none if x is None else format(x * scale, spec)
 
 
+_MEDIAN_KEYS = ("wall_s", "tok_s", "ttft_mean_s", "e2e_mean_s", "tpot_mean_s", "queue_mean_s",
+                "mfu", "rss_mb")
+
+
+def median_rows(rows: list[dict]) -> list[dict]:
+    """For each (system, mode) run in more than one round: a row of the rounds' medians."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        if isinstance(r.get("round"), int):
+            groups.setdefault((r["system"], r["mode"]), []).append(r)
+    out = []
+    for runs in groups.values():
+        if len(runs) < 2:
+            continue
+        m = {**runs[0], "round": "median", "load1_after": None}
+        for key in _MEDIAN_KEYS:
+            values = [r.get(key) for r in runs]
+            m[key] = None if None in values else statistics.median(values)
+        out.append(m)
+    return out
+
+
+def llama_ratios(rows: list[dict]) -> dict:
+    """zserve tok/s over llama.cpp's, per zserve system (each --compare-configs entry) and
+    mode: per round, and of the medians over the rounds."""
+    llama = {(r["mode"], r["round"]): r["tok_s"] for r in rows
+             if r["system"] == "llama.cpp" and isinstance(r.get("round"), int)}
+    out: dict = {}
+    for r in rows:
+        if r["system"].startswith("zserve") and (r["mode"], r.get("round")) in llama:
+            entry = out.setdefault(r["system"], {}).setdefault(r["mode"], {"zserve": [],
+                                                                           "llama": []})
+            entry["zserve"].append(r["tok_s"])
+            entry["llama"].append(llama[r["mode"], r["round"]])
+    for modes in out.values():
+        for entry in modes.values():
+            entry["per_round"] = [z / l for z, l in zip(entry["zserve"], entry["llama"])]
+            entry["of_medians"] = (statistics.median(entry.pop("zserve"))
+                                   / statistics.median(entry.pop("llama")))
+    return out
+
+
+_LEFT = {"system", "mode", "round", "dtype", "weights"}
+
+
 def print_table(report: dict) -> None:
     rows = report["results"]
+    c = report["config"]
+    rounds = c["rounds"] > 1
     hf = {(r["mode"]): r["tok_s"] for r in rows if r["system"] == "transformers"}
-    head = ["system", "mode", "dtype", "reqs", "out tok", "wall s", "tok/s", "zserve/HF",
+    llama = {(r["mode"], r.get("round")): r["tok_s"] for r in rows if r["system"] == "llama.cpp"}
+    head = ["system", "mode", *(["round"] if rounds else []), "dtype", "weights", "reqs",
+            "out tok", "wall s", "tok/s", "zserve/HF", *(["zserve/llama"] if llama else []),
             "MFU %", "TTFT ms", "TPOT ms", "e2e s", "load"]
     table = []
     for r in rows:
-        ratio = None
+        ratio = llama_ratio = None
         if r["system"] == "zserve" and hf.get(r["mode"]):
             ratio = r["tok_s"] / hf[r["mode"]]
-        table.append([r["system"], r["mode"], r["dtype"], str(r["num_requests"]),
-                      str(r["output_tokens"]), _fmt(r["wall_s"], spec=".2f"),
-                      _fmt(r["tok_s"]), _fmt(ratio, spec=".2f"), _fmt(r["mfu"], 100, ".2f"),
-                      _fmt(r["ttft_mean_s"], 1000), _fmt(r["tpot_mean_s"], 1000),
-                      _fmt(r["e2e_mean_s"], spec=".2f"), _fmt(r.get("load1_after"))])
+        if r["system"].startswith("zserve") and llama.get((r["mode"], r.get("round"))):
+            llama_ratio = r["tok_s"] / llama[r["mode"], r.get("round")]
+        cells = {"system": r["system"], "mode": r["mode"], "round": str(r.get("round") or "-"),
+                 "dtype": r["dtype"], "weights": r.get("weights") or "-",
+                 "reqs": str(r["num_requests"]), "out tok": str(r["output_tokens"]),
+                 "wall s": _fmt(r["wall_s"], spec=".2f"), "tok/s": _fmt(r["tok_s"]),
+                 "zserve/HF": _fmt(ratio, spec=".2f"),
+                 "zserve/llama": _fmt(llama_ratio, spec=".2f"),
+                 "MFU %": _fmt(r["mfu"], 100, ".2f"), "TTFT ms": _fmt(r["ttft_mean_s"], 1000),
+                 "TPOT ms": _fmt(r["tpot_mean_s"], 1000),
+                 "e2e s": _fmt(r["e2e_mean_s"], spec=".2f"),
+                 "load": _fmt(r.get("load1_after"))}
+        table.append([cells[h] for h in head])
     widths = [max(len(h), *(len(t[i]) for t in table)) if table else len(h)
               for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(c.rjust(w) if i >= 3 else c.ljust(w)
-                                   for i, (c, w) in enumerate(zip(cells, widths)))
-    c = report["config"]
+    line = lambda cells: "  ".join(c.ljust(w) if h in _LEFT else c.rjust(w)
+                                   for h, c, w in zip(head, cells, widths))
     print()
     print(f"model {c['model_path']}  ({report['params']['matmul'] / 1e6:.1f}M matmul params, "
           f"{report['params']['layers']} layers, on disk {report['params']['dtype_on_disk']})  "
           f"dtype {c['dtype']}")
+    if (lc := report.get("llama")) is not None:
+        print(f"llama.cpp model {lc['model']}  (linear layers: {lc['weights']})")
     print(f"workload: {c['num_prompts']} prompts (single mode: {c['single_prompts']}) x "
           f"{c['input_len']} input tokens -> {c['output_len']} output tokens each, greedy, "
           f"ignore_eos")
@@ -389,13 +666,36 @@ def print_table(report: dict) -> None:
           "transformers: one static-batch generate()). single: one request at a time.")
     print("TTFT/TPOT/e2e: zserve from meta_info (server side); transformers measured around "
           "generate() (TTFT: prefill + first token, via a streamer hook).")
+    if lc is not None:
+        print(f"llama.cpp: {lc['command']} (a free port each turn); the same client as "
+              f"zserve's, POST /completion; TTFT/TPOT/e2e from its timings (server side, from "
+              f"the start of prompt processing).")
+    if (lb := report.get("llama_bench")) is not None:
+        print(f"llama-bench: {lb.get('command') or '-'}: batch-1 decode after an empty prompt, "
+              f"no HTTP; tok/s is its mean over the runs"
+              + (f" (+/- {lb['stddev_ts']:.1f})" if lb.get("stddev_ts") is not None else "")
+              + (f"; FAILED: {lb['error']}" if lb.get("error") else ""))
+    if rounds:
+        print(f"round: {c['rounds']} rounds, each server launched for its turn (zserve, then "
+              f"llama.cpp, alternating); median: each column's median over the rounds.")
     print(f"load: 1-min load average when the run ended (at start: "
           f"{report['load1_at_start']:.1f}). The run itself adds about "
           f"{report['machine']['cpus']}; much more means other work competed for the CPUs "
           f"and the numbers are noisy.")
+    for system, modes in (report.get("llama_ratios") or {}).items():
+        if rounds:
+            print(f"{system}/llama.cpp tok/s (ratio of the medians; per round): " + "  ".join(
+                f"{mode} x{e['of_medians']:.2f} ({' '.join(f'{x:.2f}' for x in e['per_round'])})"
+                for mode, e in modes.items()))
+        else:
+            print(f"{system}/llama.cpp tok/s: " + "  ".join(
+                f"{mode} x{e['of_medians']:.2f}" for mode, e in modes.items()))
     if report.get("zserve_startup_s") is not None:
         print(f"zserve startup to /health: {report['zserve_startup_s']:.1f} s")
-    compared = [r for r in rows if r.get("config_flags") is not None]
+    if report.get("llama_startup_s") is not None:
+        print(f"llama-server startup to /health: {report['llama_startup_s']:.1f} s")
+    compared = [r for r in rows if r.get("config_flags") is not None
+                and (r.get("round") == "median") == rounds]
     if compared:
         print()
         print("configs (--compare-configs), same workload, one server after another:")
@@ -427,9 +727,11 @@ def tree_rss_mb(pid: int) -> float:
 
 def run_zserve(args, model_path: str, prompts, single_prompts, modes, report,
                flags: list[str]) -> list[dict]:
-    """One zserve server (launched with `flags`, or --url): warm-up, then each mode."""
+    """One zserve server (launched with `flags`, or --url): warm-up, then each mode. Each
+    result says what the server's linear layers ran on (`weights`, from /server_info)."""
     server = None
     results = []
+    weights = None
     try:
         if args.url:
             url = args.url.rstrip("/")
@@ -440,6 +742,7 @@ def run_zserve(args, model_path: str, prompts, single_prompts, modes, report,
         try:
             info = httpx.get(url + "/server_info", timeout=10).json()
             report["zserve_server_info"] = info
+            weights = zserve_weights(info, model_path)
             if info.get("dtype") not in (None, "auto", args.dtype):
                 print(f"# warning: the server runs {info['dtype']}, not --dtype "
                       f"{args.dtype}", file=sys.stderr)
@@ -449,13 +752,15 @@ def run_zserve(args, model_path: str, prompts, single_prompts, modes, report,
         except Exception:
             pass
         print("# zserve warm-up ...", file=sys.stderr)
-        zserve_warmup(url, prompts, args.output_len)
+        warmup(ZSERVE, url, prompts, args.output_len)
         for mode in modes:
             print(f"# zserve {mode} ...", file=sys.stderr)
             if mode == "batch":
-                results.append(zserve_batch(url, prompts, args.output_len, args.dtype))
+                results.append(run_batch(ZSERVE, url, prompts, args.output_len, args.dtype))
             else:
-                results.append(zserve_single(url, single_prompts, args.output_len, args.dtype))
+                results.append(run_single(ZSERVE, url, single_prompts, args.output_len,
+                                          args.dtype))
+            results[-1]["weights"] = weights
             if server is not None:
                 results[-1]["rss_mb"] = tree_rss_mb(server.proc.pid)
     except Exception:
@@ -469,11 +774,50 @@ def run_zserve(args, model_path: str, prompts, single_prompts, modes, report,
     return results
 
 
+def run_llama(args, llama_model: str, prompts, single_prompts, modes, report) -> list[dict]:
+    """One llama-server turn: launched on llama_model with a slot per prompt, warm-up, each
+    mode, stopped."""
+    server = None
+    results = []
+    slots = len(prompts)
+    ctx = slots * llama_slot_context(args.input_len, args.output_len)
+    try:
+        t0 = time.monotonic()
+        server = LlamaServer(args.llama_server, llama_model, slots, ctx, args.llama_threads)
+        report["llama_startup_s"] = time.monotonic() - t0
+        report["llama"]["command"] = shlex.join(server.command)
+        print(f"# launched llama-server on {server.url} (log: {server.log_path})",
+              file=sys.stderr)
+        print("# llama.cpp warm-up ...", file=sys.stderr)
+        warmup(LLAMA, server.url, prompts, args.output_len)
+        for mode in modes:
+            print(f"# llama.cpp {mode} ...", file=sys.stderr)
+            if mode == "batch":
+                results.append(run_batch(LLAMA, server.url, prompts, args.output_len, "-"))
+            else:
+                results.append(run_single(LLAMA, server.url, single_prompts, args.output_len,
+                                          "-"))
+            results[-1]["weights"] = report["llama"]["weights"]
+            results[-1]["rss_mb"] = tree_rss_mb(server.proc.pid)
+    except Exception:
+        if server is not None:
+            print(f"# llama-server log tail:\n{server.logs()[-4000:]}", file=sys.stderr)
+        raise
+    finally:
+        if server is not None:
+            rc = server.stop()
+            print(f"# llama-server stopped (exit {rc})", file=sys.stderr)
+    return results
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Throughput: zserve vs transformers.")
+    p = argparse.ArgumentParser(description="Throughput: zserve vs transformers and "
+                                "llama.cpp.")
     p.add_argument("--model-path", help="an HF checkpoint directory or a GGUF file "
                    "(default: the model launch.py serves without one)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--quantization", choices=["auto", "none", "gguf", "int8"],
+                   help="passed to launch.py (default: not passed, the server's auto)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
@@ -491,6 +835,17 @@ def main(argv=None) -> int:
                         "flags added (e.g. base= dp2='--dp-size 2' tp2='--tp-size 2'); "
                         "the table gives each one's tok/s relative to the first, and the "
                         "memory of its process tree")
+    p.add_argument("--llama-server", metavar="BIN", help="also benchmark llama.cpp's "
+                   "llama-server on --llama-model, alternating with zserve (--rounds)")
+    p.add_argument("--llama-bench", metavar="BIN", help="also run llama.cpp's llama-bench "
+                   "(-p 0 -n 128 -r 3) on --llama-model: a batch-1 decode row")
+    p.add_argument("--llama-model", metavar="FILE.gguf", help="the GGUF llama.cpp runs "
+                   "(default: --model-path when it is a GGUF; for an HF directory, a GGUF of "
+                   "the same model, e.g. made with llama-quantize)")
+    p.add_argument("--llama-threads", type=int, help="llama-server -t/-tb and llama-bench -t "
+                   "(default: torch's thread count, the one zserve runs with)")
+    p.add_argument("--rounds", type=int, default=1, help="run zserve and llama-server this "
+                   "many times, alternating; the table adds the medians")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the results here as JSON")
     args = p.parse_args(argv)
@@ -498,6 +853,15 @@ def main(argv=None) -> int:
         p.error("lengths and counts must be positive")
     if args.compare_configs and args.url:
         p.error("--compare-configs launches its own servers: drop --url")
+    if args.rounds < 1:
+        p.error("--rounds must be positive")
+    if args.llama_threads is not None and args.llama_threads < 1:
+        p.error("--llama-threads must be positive")
+    for flag in ("llama_server", "llama_bench"):
+        if (binary := getattr(args, flag)) is not None:
+            setattr(args, flag, binary := os.path.expanduser(binary))
+            if not os.access(binary, os.X_OK):
+                p.error(f"--{flag.replace('_', '-')} {binary}: not an executable file")
 
     import torch
 
@@ -505,10 +869,22 @@ def main(argv=None) -> int:
         from launch import default_model
         args.model_path = default_model()
     model_path = str(pathlib.Path(args.model_path).expanduser().absolute())
+    llama_model = None
+    if args.llama_server or args.llama_bench:
+        llama_model = (pathlib.Path(args.llama_model).expanduser().absolute() if args.llama_model
+                       else gguf_file(model_path))
+        if llama_model is None:
+            p.error(f"{model_path} is not a GGUF: pass --llama-model FILE.gguf, a GGUF of "
+                    f"the same model, for llama.cpp")
+        if not llama_model.is_file():
+            p.error(f"--llama-model {llama_model}: no such file")
+        llama_model = str(llama_model)
     params = matmul_params(model_path)
     modes = ["batch", "single"] if args.mode == "both" else [args.mode]
     prompts = make_prompts(args.num_prompts, args.input_len, args.seed)
     single_prompts = prompts[:max(1, min(args.single_prompts, len(prompts)))]
+    if args.llama_threads is None:
+        args.llama_threads = torch.get_num_threads()
 
     print(f"# measuring {args.dtype} matmul peak ...", file=sys.stderr)
     peak = dtype_peak = measure_peak_gflops(args.dtype)
@@ -524,6 +900,13 @@ def main(argv=None) -> int:
         "mfu_formula": "2 * params_matmul * tok_s / (peak_gflops * 1e9)",
         "zserve_startup_s": None, "load1_at_start": os.getloadavg()[0], "results": [],
     }
+    if llama_model is not None:
+        report["llama"] = {"model": llama_model,
+                           "weights": llama_weights(pathlib.Path(llama_model)),
+                           "threads": args.llama_threads, "slots": len(prompts),
+                           "ctx": len(prompts) * llama_slot_context(args.input_len,
+                                                                    args.output_len),
+                           "command": None}
     if report["load1_at_start"] > 0.5 * (os.cpu_count() or 1):
         print(f"# warning: 1-min load average is {report['load1_at_start']:.1f} on "
               f"{os.cpu_count()} CPUs: other work is running, numbers will be noisy",
@@ -533,18 +916,40 @@ def main(argv=None) -> int:
         r["mfu"] = 2 * params["matmul"] * r["tok_s"] / (peak * 1e9) if r["tok_s"] else None
         r["load1_after"] = os.getloadavg()[0]
         report["results"].append(r)
-        print(f"# {r['system']} {r['mode']}: {r['tok_s']:.1f} tok/s", file=sys.stderr)
+        where = f" (round {r['round']})" if args.rounds > 1 and r.get("round") else ""
+        print(f"# {r['system']} {r['mode']}{where}: {r['tok_s']:.1f} tok/s", file=sys.stderr)
 
-    if not args.skip_zserve:
-        configs = [parse_config(c) for c in args.compare_configs] or [("", "")]
-        for label, flags in configs:
+    configs = [parse_config(c) for c in args.compare_configs] or [("", "")]
+    quantization = ["--quantization", args.quantization] if args.quantization else []
+    for round_ in range(1, args.rounds + 1):    # zserve, llama.cpp, zserve, llama.cpp, ...
+        for label, flags in configs if not args.skip_zserve else []:
             results = run_zserve(args, model_path, prompts, single_prompts, modes, report,
-                                 shlex.split(args.server_args) + shlex.split(flags))
+                                 shlex.split(args.server_args) + quantization
+                                 + shlex.split(flags))
             for r in results:
                 if label:
                     r["system"] = f"zserve[{label}]"
                     r["config_flags"] = flags
+                r["round"] = round_
                 add(r)
+        if args.llama_server:
+            for r in run_llama(args, llama_model, prompts, single_prompts, modes, report):
+                r["round"] = round_
+                add(r)
+    if args.llama_server:
+        report["llama_ratios"] = llama_ratios(report["results"])
+    report["results"] += median_rows(report["results"])
+
+    if args.llama_bench:
+        try:
+            r, report["llama_bench"] = run_llama_bench(args.llama_bench, llama_model,
+                                                      args.llama_threads)
+            report["llama_bench"]["command"] = r["command"]
+            r["weights"] = report["llama"]["weights"]
+            add(r)
+        except (RuntimeError, ValueError, StopIteration, KeyError) as e:
+            print(f"# warning: llama-bench failed: {e}", file=sys.stderr)
+            report["llama_bench"] = {"error": str(e).splitlines()[0] if str(e) else repr(e)}
 
     if not args.skip_hf:
         print("# transformers: loading ...", file=sys.stderr)
@@ -555,11 +960,17 @@ def main(argv=None) -> int:
                 add(hf_batch(model, prompts, args.output_len, args.dtype))
             else:
                 add(hf_single(model, single_prompts, args.output_len, args.dtype))
+            report["results"][-1]["weights"] = args.dtype
         del model
 
-    # Table order: by mode, zserve first.
+    # Table order: by mode, then round (the medians after the rounds, single runs last),
+    # zserve first, then llama.cpp, llama-bench, transformers.
     order = {"batch": 0, "single": 1}
-    report["results"].sort(key=lambda r: (order[r["mode"]], r["system"] != "zserve"))
+    rank = lambda system: (0 if system.startswith("zserve") else 1 if system == "llama.cpp"
+                           else 2 if system.startswith("llama-bench") else 3)
+    when = lambda r: (r["round"] if isinstance(r.get("round"), int)
+                      else args.rounds + (1 if r.get("round") == "median" else 2))
+    report["results"].sort(key=lambda r: (order[r["mode"]], when(r), rank(r["system"])))
     print_table(report)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
@@ -567,5 +978,11 @@ def main(argv=None) -> int:
     return 0
 
 
+def _exit_on_sigterm(signum, frame):
+    """SIGTERM ends the run as Ctrl-C does: through the finally blocks that stop the servers."""
+    raise SystemExit(128 + signum)
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     sys.exit(main())

@@ -17,7 +17,8 @@ fall back to torch (oneDNN-packed linears, SDPA, plain elementwise ops).
 Two kernels need less, AVX2 + FMA + F16C (every x86-64 CPU since 2013), and have their own
 check, `avx2_available(device)`: the quantized linear layers (where it is false, quantized
 weights are dequantized at load instead: --quantization, README "Quantized weights") and a
-float32 decode attention for CPUs without AVX-512 (attention.c: zs_decode_attention_avx2).
+float32 decode attention and elementwise ops for CPUs without AVX-512 (the *_avx2
+functions of attention.c and elementwise.c).
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ SIGNATURES = {
     "zs_rope": [_int, _p, _i64, _i64, _i64, _i64, _p, _p],
     # (bf16, gate_up, M, I, y)
     "zs_silu_mul": [_int, _p, _i64, _i64, _p],
+    # rope and silu_mul, float32 only, AVX2: without the bf16 flag
+    "zs_rope_avx2": [_p, _i64, _i64, _i64, _i64, _p, _p],
+    "zs_silu_mul_avx2": [_p, _i64, _i64, _p],
     # (ggml type, x, M, K, weight blocks, N, bias or NULL, y) -> 0, or -1: out of memory
     "zs_linear_quant": [_int, _p, _i64, _i64, _p, _i64, _p, _p],
 }

@@ -186,36 +186,7 @@ void zs_kv_write(int bf16, void *kv, const int64_t *slots, int64_t N, const void
 
 /* ---- AVX2 (float32 only): the same algorithm for CPUs without AVX-512 ------------------
  * 8 float32 lanes; K/V and q are float32. The same blocks, online softmax and task split
- * as above; exp is exp8 below (the polynomial of exp_ps, 2^n built in the exponent bits,
- * inputs clamped to [-87, 88]: softmax feeds it s - max <= 0, and e^-87 is 0 at the
- * precision of a sum of weights >= 1). */
-
-#define TARGET_AVX2 __attribute__((target("avx2,fma")))
-
-INLINE TARGET_AVX2 __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                   _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-INLINE TARGET_AVX2 float hsum8_ps(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+ * as above; exp is simd.h's exp8. */
 
 /* decode_task for float32 on AVX2; nd = D / 8, a compile-time constant at each call. */
 INLINE TARGET_AVX2 void decode_task8(const int nd, const float *q, const float *kv,
@@ -258,11 +229,8 @@ INLINE TARGET_AVX2 void decode_task8(const int nd, const float *q, const float *
             __m256 lsum = _mm256_setzero_ps();
             for (int64_t t = 0; t < n; t += 8) {
                 __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(bm)));
-                if (n - t < 8) {                              /* the padding weighs 0 */
-                    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-                    e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-                        _mm256_set1_epi32((int)(n - t)), lane)));
-                }
+                if (n - t < 8)                                /* the padding weighs 0 */
+                    e = _mm256_and_ps(e, _mm256_castsi256_ps(tail8(n - t)));
                 lsum = _mm256_add_ps(lsum, e);
                 _mm256_storeu_ps(s + t, e);
             }

@@ -110,3 +110,46 @@ TARGET void zs_silu_mul(int bf16, const void *gu, int64_t M, int64_t I, void *y)
         else silu_row(0, gu, i, I, y);
     }
 }
+
+/* ---- AVX2, float32 only: rope and silu_mul for CPUs without AVX-512, same arguments but
+ *      the dtype flag. Tails go through maskload / maskstore (masked lanes untouched).
+ *      No add_rms_norm here: its sum of squares in any order of ours differed from
+ *      torch's by enough (~1e-7 relative) to move the tiny test models' logits by up to
+ *      4e-4 against transformers, where torch's own code matches bit for bit; on these
+ *      CPUs ops.py keeps torch's norm (~1.5 ms a token at batch 1 on the 135M model). ---- */
+
+TARGET_AVX2 void zs_rope_avx2(float *x, int64_t M, int64_t stride, int64_t heads, int64_t D,
+                              const float *cos_sin, const int64_t *pos) {
+    const int64_t half = D / 2;
+#pragma omp parallel for schedule(static) if (M >= 64)
+    for (int64_t i = 0; i < M; i++) {
+        const float *cs = cos_sin + pos[i] * D;
+        for (int64_t hd = 0; hd < heads; hd++) {
+            float *x1p = x + i * stride + hd * D, *x2p = x1p + half;
+            for (int64_t d = 0; d < half; d += 8) {
+                __m256i m = tail8(half - d);
+                __m256 c = _mm256_maskload_ps(cs + d, m), s = _mm256_maskload_ps(cs + half + d, m);
+                __m256 x1 = _mm256_maskload_ps(x1p + d, m), x2 = _mm256_maskload_ps(x2p + d, m);
+                _mm256_maskstore_ps(x1p + d, m, _mm256_sub_ps(_mm256_mul_ps(x1, c),
+                                                              _mm256_mul_ps(x2, s)));
+                _mm256_maskstore_ps(x2p + d, m, _mm256_add_ps(_mm256_mul_ps(x2, c),
+                                                              _mm256_mul_ps(x1, s)));
+            }
+        }
+    }
+}
+
+TARGET_AVX2 void zs_silu_mul_avx2(const float *gu, int64_t M, int64_t I, float *y) {
+#pragma omp parallel for schedule(static) if (M * I >= 65536)
+    for (int64_t i = 0; i < M; i++) {
+        const float *g = gu + i * 2 * I, *u = g + I;
+        float *o = y + i * I;
+        for (int64_t d = 0; d < I; d += 8) {
+            __m256i m = tail8(I - d);
+            __m256 gv = _mm256_maskload_ps(g + d, m);
+            __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f),
+                                                        exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+            _mm256_maskstore_ps(o + d, m, _mm256_mul_ps(sv, _mm256_maskload_ps(u + d, m)));
+        }
+    }
+}

@@ -1,5 +1,5 @@
-/* Shared AVX-512 helpers for zserve's CPU kernels: 16 float32 lanes at a time, loaded from
- * and stored to float32 or bfloat16 memory. `bf16` must be a compile-time constant where
+/* Shared helpers for zserve's CPU kernels. AVX-512: 16 float32 lanes at a time, loaded from
+ * and stored to float32 or bfloat16 memory (at the end: AVX2 float32 helpers, 8 lanes). `bf16` must be a compile-time constant where
  * they are inlined, so each kernel gets one branch-free copy per dtype; GCC outlines an
  * OpenMP region before it inlines, so kernels pick the dtype inside their parallel loops.
  * bfloat16 conversions flush values below ~1.2e-38 to zero (vcvtneps2bf16, vdpbf16ps).
@@ -57,6 +57,44 @@ INLINE TARGET_F32 __m512 exp_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n);
+}
+
+/* ---- AVX2, float32, 8 lanes: the kernels for CPUs without AVX-512 -------------------- */
+
+#define TARGET_AVX2 __attribute__((target("avx2,fma")))
+
+/* e^x with exp_ps's polynomial, 2^n built in the exponent bits; x clamped to [-87, 88]
+ * (so e^x below ~1.6e-38 comes out as a small normal number, never 0, inf or a denormal:
+ * softmax feeds it s - max <= 0, silu -x, where that is 0 at float32 precision). */
+INLINE TARGET_AVX2 __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                   _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+INLINE TARGET_AVX2 float hsum8_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The first min(left, 8) lanes, as a mask vector for maskload / maskstore / and. */
+INLINE TARGET_AVX2 __m256i tail8(int64_t left) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 8 ? left : 8)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 #endif

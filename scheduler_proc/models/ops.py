@@ -1,6 +1,7 @@
 """The decoder's elementwise ops, each in one place: torch (any device) or, on CPUs where
-kernels.available(), zserve's C kernels (kernels/elementwise.c), which round exactly where
-the torch code below does, so the two agree to float32 summation order.
+kernels.available() (or for float32, kernels.avx2_available()), zserve's C kernels
+(kernels/elementwise.c), which round exactly where the torch code below does, so the two
+agree to float32 summation order.
 
     rms_norm(x, w, eps)               -> y
     rms_norm(x, w, eps, residual)     -> (y, h)  with h = x + residual, y = rms_norm(h)
@@ -11,6 +12,7 @@ the torch code below does, so the two agree to float32 summation order.
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -19,22 +21,40 @@ from torch import Tensor
 from scheduler_proc import kernels
 
 
+class Kernels(NamedTuple):
+    """The C functions for one dtype, each taking elementwise.c's arguments without the
+    leading dtype flag; add_rms_norm None: torch's (elementwise.c says why)."""
+    add_rms_norm: Callable | None
+    rope: Callable
+    silu_mul: Callable
+
+
 @functools.cache
-def _on_kernels(device_type: str, dtype: torch.dtype) -> bool:
-    return device_type == "cpu" and kernels.available("cpu", dtype)
+def _kernels_for(device_type: str, dtype: torch.dtype) -> Kernels | None:
+    if device_type != "cpu":
+        return None
+    lib = kernels.library()
+    if kernels.available("cpu", dtype):                     # AVX-512: float32 and bfloat16
+        flag = int(dtype == torch.bfloat16)
+        return Kernels(functools.partial(lib.zs_add_rms_norm, flag),
+                       functools.partial(lib.zs_rope, flag),
+                       functools.partial(lib.zs_silu_mul, flag))
+    if dtype == torch.float32 and kernels.avx2_available("cpu"):
+        return Kernels(None, lib.zs_rope_avx2, lib.zs_silu_mul_avx2)
+    return None
 
 
-def _kernel(x: Tensor):
-    """The library if x runs on our kernels, else None."""
-    return kernels.library() if _on_kernels(x.device.type, x.dtype) else None
+def _kernel(x: Tensor) -> Kernels | None:
+    """Our kernels for x's device and dtype, else None (torch)."""
+    return _kernels_for(x.device.type, x.dtype)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
     """transformers' LlamaRMSNorm: x / rms(x) in float32, cast back, then scaled in the
     model dtype. With a residual, normalizes h = x + residual and returns (y, h)."""
     lib = _kernel(x)
-    if lib is None or weight.dtype != x.dtype or (residual is not None
-                                                   and residual.dtype != x.dtype):
+    if (lib is None or lib.add_rms_norm is None or weight.dtype != x.dtype
+            or (residual is not None and residual.dtype != x.dtype)):
         h = x if residual is None else x + residual
         hf = h.float()
         hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
@@ -48,9 +68,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     if residual is not None:
         r = residual.contiguous() if flat else residual.reshape(-1, d).contiguous()
         h = torch.empty(x2.shape, dtype=x.dtype)
-    lib.zs_add_rms_norm(int(x.dtype == torch.bfloat16), x2.data_ptr(),
-                        None if r is None else r.data_ptr(), None if h is None else h.data_ptr(),
-                        weight.data_ptr(), eps, x2.shape[0], d, y.data_ptr())
+    lib.add_rms_norm(x2.data_ptr(), None if r is None else r.data_ptr(),
+                     None if h is None else h.data_ptr(), weight.data_ptr(), eps, x2.shape[0],
+                     d, y.data_ptr())
     if not flat:
         y, h = y.view(x.shape), None if h is None else h.view(x.shape)
     return y if residual is None else (y, h)
@@ -89,8 +109,7 @@ def rope_(x: Tensor, rotary: Rotary) -> Tensor:
         x1, x2 = x.chunk(2, dim=-1)
         x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
         return x
-    lib.zs_rope(int(x.dtype == torch.bfloat16), x.data_ptr(), n, x.stride(0), heads, d,
-                cos_sin.data_ptr(), positions.data_ptr())
+    lib.rope(x.data_ptr(), n, x.stride(0), heads, d, cos_sin.data_ptr(), positions.data_ptr())
     return x
 
 
@@ -102,5 +121,5 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     gu = gate_up.contiguous()
     m, i = gu.shape[0], gu.shape[1] // 2
     y = torch.empty((m, i), dtype=gu.dtype)
-    lib.zs_silu_mul(int(gu.dtype == torch.bfloat16), gu.data_ptr(), m, i, y.data_ptr())
+    lib.silu_mul(gu.data_ptr(), m, i, y.data_ptr())
     return y
