@@ -46,6 +46,23 @@ def test_rms_norm(monkeypatch, dtype, rows, dim):
     assert_same(y, y_ref, dtype)
 
 
+@pytest.mark.parametrize("dim", [5, 8, 9, 31, 64, 100, 576, 1000, 1536, 4096, 5000])
+def test_avx2_float32_norm_is_torchs_bit_for_bit(monkeypatch, dim):
+    """Without AVX-512, float32 RMSNorm runs on a kernel that sums the squares in torch's
+    own order (elementwise.c), so it equals transformers' norm exactly, residual or not."""
+    from scheduler_proc import kernels
+    if kernels.available("cpu", torch.float32):
+        pytest.skip("the AVX-512 kernel runs here (equal to summation order only)")
+    torch.manual_seed(dim)
+    x, r = torch.randn(6, dim) * 4, torch.randn(6, dim)
+    w = torch.randn(dim)
+    (y, h), (y_ref, h_ref) = both(monkeypatch, torch.float32,
+                                  lambda: ops.rms_norm(x, w, 1e-5, r))
+    assert torch.equal(y, y_ref) and torch.equal(h, h_ref)
+    ours, ref = both(monkeypatch, torch.float32, lambda: ops.rms_norm(x, w, 1e-5))
+    assert torch.equal(ours, ref)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, dim", [(12, 64), (3, 128), (2, 16), (1, 8), (2, 40)])
 def test_rope_in_place_on_a_strided_view(monkeypatch, dtype, heads, dim):

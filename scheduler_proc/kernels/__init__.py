@@ -68,7 +68,8 @@ SIGNATURES = {
     "zs_rope": [_int, _p, _i64, _i64, _i64, _i64, _p, _p],
     # (bf16, gate_up, M, I, y)
     "zs_silu_mul": [_int, _p, _i64, _i64, _p],
-    # rope and silu_mul, float32 only, AVX2: without the bf16 flag
+    # the same three, float32 only, AVX2: without the bf16 flag
+    "zs_add_rms_norm_avx2": [_p, _p, _p, _p, _float, _i64, _i64, _p],
     "zs_rope_avx2": [_p, _i64, _i64, _i64, _i64, _p, _p],
     "zs_silu_mul_avx2": [_p, _i64, _i64, _p],
     # (ggml type, x, M, K, weight blocks, N, bias or NULL, y) -> 0, or -1: out of memory

@@ -111,12 +111,75 @@ TARGET void zs_silu_mul(int bf16, const void *gu, int64_t M, int64_t I, void *y)
     }
 }
 
-/* ---- AVX2, float32 only: rope and silu_mul for CPUs without AVX-512, same arguments but
- *      the dtype flag. Tails go through maskload / maskstore (masked lanes untouched).
- *      No add_rms_norm here: its sum of squares in any order of ours differed from
- *      torch's by enough (~1e-7 relative) to move the tiny test models' logits by up to
- *      4e-4 against transformers, where torch's own code matches bit for bit; on these
- *      CPUs ops.py keeps torch's norm (~1.5 ms a token at batch 1 on the 135M model). ---- */
+/* ---- AVX2, float32 only: the same three for CPUs without AVX-512, same arguments but
+ *      the dtype flag. Tails go through maskload / maskstore (masked lanes untouched). ---- */
+
+/* sum(x[i] * x[i], i < n), rounded exactly as torch 2.13's CPU `x.pow(2).sum(-1)` rounds
+ * it with 8-lane vectors (ATen SumKernel.cpp: vectorized_inner_sum -> row_sum ->
+ * multi_row_sum, a 4-level cascade over groups of 4 vectors), so add_rms_norm below gives
+ * transformers' RMSNorm bit for bit (tests/test_ops.py checks it on many widths). Any
+ * other order moved the tiny test models' logits by up to 4e-4. */
+INLINE TARGET_AVX2 float torch_sum_squares(const float *x, int64_t n) {
+    const int64_t vecs = n / 8, rows = vecs / 4;          /* rows of 4 vectors */
+    int64_t log2 = 0;
+    while ((int64_t)1 << log2 < rows) log2++;             /* CeilLog2(rows) */
+    const int64_t power = log2 / 4 > 4 ? log2 / 4 : 4, step = (int64_t)1 << power;
+    const int64_t mask = step - 1;
+    __m256 acc[4][4];
+    for (int j = 0; j < 4; j++)
+        for (int k = 0; k < 4; k++) acc[j][k] = _mm256_setzero_ps();
+    int64_t i = 0;
+#define SQ(v) _mm256_mul_ps((v), (v))
+    while (i + step <= rows) {
+        for (int64_t j = 0; j < step; j++, i++)
+            for (int k = 0; k < 4; k++)
+                acc[0][k] = _mm256_add_ps(acc[0][k], SQ(_mm256_loadu_ps(x + (4 * i + k) * 8)));
+        for (int j = 1; j < 4; j++) {
+            for (int k = 0; k < 4; k++) {
+                acc[j][k] = _mm256_add_ps(acc[j][k], acc[j - 1][k]);
+                acc[j - 1][k] = _mm256_setzero_ps();
+            }
+            if ((i & (mask << (j * power))) != 0) break;
+        }
+    }
+    for (; i < rows; i++)
+        for (int k = 0; k < 4; k++)
+            acc[0][k] = _mm256_add_ps(acc[0][k], SQ(_mm256_loadu_ps(x + (4 * i + k) * 8)));
+    for (int j = 1; j < 4; j++)
+        for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], acc[j][k]);
+    for (int64_t v = rows * 4; v < vecs; v++)             /* vectors past the last row */
+        acc[0][0] = _mm256_add_ps(acc[0][0], SQ(_mm256_loadu_ps(x + v * 8)));
+#undef SQ
+    for (int k = 1; k < 4; k++) acc[0][0] = _mm256_add_ps(acc[0][0], acc[0][k]);
+    float total = 0.0f, lanes[8];
+    for (int64_t e = vecs * 8; e < n; e++) total += x[e] * x[e];       /* scalar tail first */
+    _mm256_storeu_ps(lanes, acc[0][0]);
+    for (int k = 0; k < 8; k++) total += lanes[k];
+    return total;
+}
+
+TARGET_AVX2 void zs_add_rms_norm_avx2(const float *x, const float *r, float *h,
+                                      const float *w, float eps, int64_t M, int64_t D,
+                                      float *y) {
+#pragma omp parallel for schedule(static) if (M >= 64)
+    for (int64_t i = 0; i < M; i++) {
+        const float *xi = x + i * D, *ri = r ? r + i * D : 0;
+        float *hi = h ? h + i * D : 0, *yi = y + i * D;
+        if (ri)                                          /* h = x + residual */
+            for (int64_t d = 0; d < D; d += 8) {
+                __m256i m = tail8(D - d);
+                _mm256_maskstore_ps(hi + d, m, _mm256_add_ps(_mm256_maskload_ps(xi + d, m),
+                                                             _mm256_maskload_ps(ri + d, m)));
+            }
+        const float *src = ri ? hi : xi;
+        const float inv = 1.0f / sqrtf(torch_sum_squares(src, D) / (float)D + eps);
+        for (int64_t d = 0; d < D; d += 8) {
+            __m256i m = tail8(D - d);
+            __m256 v = _mm256_mul_ps(_mm256_maskload_ps(src + d, m), _mm256_set1_ps(inv));
+            _mm256_maskstore_ps(yi + d, m, _mm256_mul_ps(_mm256_maskload_ps(w + d, m), v));
+        }
+    }
+}
 
 TARGET_AVX2 void zs_rope_avx2(float *x, int64_t M, int64_t stride, int64_t heads, int64_t D,
                               const float *cos_sin, const int64_t *pos) {

@@ -22,9 +22,9 @@ from scheduler_proc import kernels
 
 
 class Kernels(NamedTuple):
-    """The C functions for one dtype, each taking elementwise.c's arguments without the
-    leading dtype flag; add_rms_norm None: torch's (elementwise.c says why)."""
-    add_rms_norm: Callable | None
+    """The three C functions for one dtype, each taking elementwise.c's arguments without
+    the leading dtype flag."""
+    add_rms_norm: Callable
     rope: Callable
     silu_mul: Callable
 
@@ -40,7 +40,7 @@ def _kernels_for(device_type: str, dtype: torch.dtype) -> Kernels | None:
                        functools.partial(lib.zs_rope, flag),
                        functools.partial(lib.zs_silu_mul, flag))
     if dtype == torch.float32 and kernels.avx2_available("cpu"):
-        return Kernels(None, lib.zs_rope_avx2, lib.zs_silu_mul_avx2)
+        return Kernels(lib.zs_add_rms_norm_avx2, lib.zs_rope_avx2, lib.zs_silu_mul_avx2)
     return None
 
 
@@ -53,8 +53,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     """transformers' LlamaRMSNorm: x / rms(x) in float32, cast back, then scaled in the
     model dtype. With a residual, normalizes h = x + residual and returns (y, h)."""
     lib = _kernel(x)
-    if (lib is None or lib.add_rms_norm is None or weight.dtype != x.dtype
-            or (residual is not None and residual.dtype != x.dtype)):
+    if (lib is None or weight.dtype != x.dtype or x.shape[-1] < 8    # (under 8, torch
+            or (residual is not None and residual.dtype != x.dtype)):   # sums in other orders)
         h = x if residual is None else x + residual
         hf = h.float()
         hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
