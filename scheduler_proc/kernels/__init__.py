@@ -14,11 +14,11 @@ that torch has already loaded, so torch.set_num_threads holds for them too.
 need (float32: AVX-512 F, BW and VL; bfloat16: also AVX512_BF16), where the compiler is missing or
 fails, or where ZSERVE_CPU_KERNELS=0 is set (to compare, or to rule them out); callers then
 fall back to torch (oneDNN-packed linears, SDPA, plain elementwise ops).
-Two kernels need less, AVX2 + FMA + F16C (every x86-64 CPU since 2013), and have their own
-check, `avx2_available(device)`: the quantized linear layers (where it is false, quantized
-weights are dequantized at load instead: --quantization, README "Quantized weights") and a
-float32 decode attention and elementwise ops for CPUs without AVX-512 (the *_avx2
-functions of attention.c and elementwise.c).
+AVX2 versions (AVX2 + FMA + F16C: every x86-64 CPU since 2013) have their own check,
+`avx2_available(device)`: the quantized linear layers (where it is false, quantized
+weights are dequantized at load instead: --quantization, README "Quantized weights"), and
+for CPUs without AVX-512 the *_avx2 functions of linear.c (float32 and bfloat16),
+attention.c and elementwise.c (float32).
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ SIGNATURES = {
     # (x, M, K, panels, N, bias or NULL, y)
     "zs_linear_f32": [_p, _i64, _i64, _p, _i64, _p, _p],
     "zs_linear_bf16": [_p, _i64, _i64, _p, _i64, _p, _p],
+    # the same panels on AVX2: (bf16, x, M, K, panels, N, bias or NULL, y)
+    "zs_linear_avx2": [_int, _p, _i64, _i64, _p, _i64, _p, _p],
     # (bf16, q, q row stride, kv, table, ctx, rows, lens, B, H, Hkv, D, scale, out)
     "zs_decode_attention": [_int, _p, _i64, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64,
                             _float, _p],

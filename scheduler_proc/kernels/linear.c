@@ -138,3 +138,123 @@ TARGET void zs_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
                                 int64_t N, const uint16_t *bias, uint16_t *y) {
     DRIVER(tile_bf16, uint16_t, ((K + 1) / 2) * 32)
 }
+
+/* ---- AVX2 (no AVX-512): the same panels, 8 lanes, so a panel row is two vectors ------------
+ * A tile is up to MR2 rows of x times one panel (2 x MR2 accumulators + 2 weight vectors in
+ * the 16 ymm registers). bfloat16 weights are widened in registers (a pair (t = 0, 1) of a
+ * 32-bit lane: t = 0 shifted up, t = 1 masked), x rows too; sums in float32 as above, the
+ * bfloat16 output rounded once to nearest even (integer arithmetic: AVX2 has no vcvtneps2bf16;
+ * NaN stays NaN). */
+
+#define MR2 6
+
+INLINE TARGET_AVX2 __m256 bf16_lo(__m256i pairs) {   /* t = 0 of each pair, as float32 */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+}
+INLINE TARGET_AVX2 __m256 bf16_hi(__m256i pairs) {   /* t = 1 */
+    return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* 8 float32 -> 8 bfloat16 (in the low halves of the int32 lanes), round to nearest even */
+INLINE TARGET_AVX2 __m256i to_bf16_8(__m256 v) {
+    __m256i b = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)),
+                                                   lsb), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(0x40));
+    return _mm256_blendv_epi8(r, qnan, nan);
+}
+
+INLINE TARGET_AVX2 void store_bf16_8(uint16_t *p, int64_t n, __m256 v) {
+    __m256i w = to_bf16_8(v);                                 /* 8 x int32, value in low 16 */
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    if (n >= 8) { _mm_storeu_si128((__m128i *)p, packed); return; }
+    uint16_t tmp[8];
+    _mm_storeu_si128((__m128i *)tmp, packed);
+    memcpy(p, tmp, (size_t)n * 2);
+}
+
+/* bf16: weights in pairs, x bfloat16; else float32. `mr` compile-time at each call. */
+INLINE TARGET_AVX2 void tile_avx2(const int bf16, const int mr, const void *xv, int64_t K,
+                                  const void *pv, const void *bias, void *yv, int64_t N,
+                                  int64_t n0) {
+    __m256 acc[MR2][2];
+    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    if (!bf16) {
+        const float *x = xv, *p = pv;
+        for (int64_t k = 0; k < K; k++) {
+            const __m256 b0 = _mm256_loadu_ps(p + k * 16), b1 = _mm256_loadu_ps(p + k * 16 + 8);
+            for (int i = 0; i < mr; i++) {
+                const __m256 a = _mm256_broadcast_ss(x + i * K + k);
+                acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
+            }
+        }
+    } else {
+        const uint16_t *x = xv, *p = pv;
+        for (int64_t k2 = 0; k2 < (K + 1) / 2; k2++) {
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(p + k2 * 32));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + k2 * 32 + 16));
+            const __m256 b00 = bf16_lo(w0), b01 = bf16_hi(w0);   /* rows 0-7: k, k + 1 */
+            const __m256 b10 = bf16_lo(w1), b11 = bf16_hi(w1);   /* rows 8-15 */
+            const int half = 2 * k2 + 1 == K;                    /* K odd: no x[k + 1] */
+            for (int i = 0; i < mr; i++) {
+                uint32_t pair = 0;
+                memcpy(&pair, x + i * K + 2 * k2, half ? 2 : 4);
+                const __m256i ab = _mm256_set1_epi32((int)pair);
+                const __m256 a0 = bf16_lo(ab), a1 = bf16_hi(ab);
+                acc[i][0] = _mm256_fmadd_ps(a1, b01, _mm256_fmadd_ps(a0, b00, acc[i][0]));
+                acc[i][1] = _mm256_fmadd_ps(a1, b11, _mm256_fmadd_ps(a0, b10, acc[i][1]));
+            }
+        }
+    }
+    for (int h = 0; h < 2; h++) {
+        const int64_t n = n0 + 8 * h, left = N - n;
+        if (left <= 0) break;
+        const __m256i m = tail8(left);
+        __m256 bv = _mm256_setzero_ps();
+        if (bias && bf16) {
+            uint16_t tmp[8] = {0};
+            memcpy(tmp, (const uint16_t *)bias + n, (size_t)(left < 8 ? left : 8) * 2);
+            bv = bf16_lo(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)tmp)));
+        } else if (bias) {
+            bv = _mm256_maskload_ps((const float *)bias + n, m);
+        }
+        for (int i = 0; i < mr; i++) {
+            const __m256 out = _mm256_add_ps(acc[i][h], bv);
+            if (bf16) store_bf16_8((uint16_t *)yv + i * N + n, left, out);
+            else _mm256_maskstore_ps((float *)yv + i * N + n, m, out);
+        }
+    }
+}
+
+#define TILES2(bf16_)                                                                   \
+    switch (mr) {                                                                       \
+        case 1: tile_avx2(bf16_, 1, TILE2_ARGS); break;                                 \
+        case 2: tile_avx2(bf16_, 2, TILE2_ARGS); break;                                 \
+        case 3: tile_avx2(bf16_, 3, TILE2_ARGS); break;                                 \
+        case 4: tile_avx2(bf16_, 4, TILE2_ARGS); break;                                 \
+        case 5: tile_avx2(bf16_, 5, TILE2_ARGS); break;                                 \
+        default: tile_avx2(bf16_, 6, TILE2_ARGS); break;                                \
+    }
+#define TILE2_ARGS (const char *)x + m0 * K * esz, K, (const char *)p + g * pstride * esz, \
+                   bias, (char *)y + m0 * N * esz, N, g * 16
+
+/* zs_linear_f32 / zs_linear_bf16's arguments, with the dtype as a flag. */
+TARGET_AVX2 void zs_linear_avx2(int bf16, const void *x, int64_t M, int64_t K, const void *p,
+                                int64_t N, const void *bias, void *y) {
+    const int64_t panels = (N + 15) / 16, esz = bf16 ? 2 : 4;
+    const int64_t pstride = bf16 ? ((K + 1) / 2) * 32 : K * 16;     /* elements per panel */
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < panels; g++) {
+        for (int64_t m0 = 0; m0 < M; m0 += MR2) {
+            const int mr = (int)(M - m0 < MR2 ? M - m0 : MR2);
+            if (bf16) {
+                TILES2(1)
+            } else {
+                TILES2(0)
+            }
+        }
+    }
+}

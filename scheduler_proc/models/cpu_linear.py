@@ -12,6 +12,8 @@ tie (one ulp).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,7 +35,8 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 class CpuLinear(nn.Module):
-    """Only where kernels.available(cpu, weight.dtype)."""
+    """Only where kernels.available(cpu, weight.dtype), or (the AVX2 kernel) where
+    kernels.avx2_available(cpu) for float32 and bfloat16."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -43,7 +46,12 @@ class CpuLinear(nn.Module):
                                                            requires_grad=False)
         self.dtype = weight.dtype               # of x, y and the bias
         lib = kernels.library()
-        self._kernel = lib.zs_linear_f32 if weight.dtype == torch.float32 else lib.zs_linear_bf16
+        if kernels.available("cpu", weight.dtype):
+            self._kernel = (lib.zs_linear_f32 if weight.dtype == torch.float32
+                            else lib.zs_linear_bf16)
+        else:                                   # the AVX2 version of the same panels
+            self._kernel = functools.partial(lib.zs_linear_avx2,
+                                             int(weight.dtype == torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in_features] in the weight's dtype -> [..., out_features]."""

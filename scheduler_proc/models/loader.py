@@ -218,7 +218,8 @@ def _load_safetensors(model_dir: Path, config: ModelConfig, params: dict[str, to
 
 def _cpu_linear_class(device: torch.device, dtype: torch.dtype) -> type[nn.Module] | None:
     """The fastest linear layer for this device and dtype: ours, else oneDNN's, else None."""
-    if kernels.available(device, dtype):
+    if kernels.available(device, dtype) or (dtype in (torch.float32, torch.bfloat16)
+                                             and kernels.avx2_available(device)):
         return CpuLinear
     return PackedLinear if can_pack(device, dtype) else None
 
