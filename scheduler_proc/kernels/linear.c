@@ -175,6 +175,24 @@ INLINE TARGET_AVX2 void store_bf16_8(uint16_t *p, int64_t n, __m256 v) {
     memcpy(p, tmp, (size_t)n * 2);
 }
 
+/* One pair of k (2 k2, 2 k2 + 1) of bfloat16 x and weights into the accumulators; `half`
+ * (a constant): K is odd and this is its last k, whose partner is the zero padding. */
+INLINE TARGET_AVX2 void pair_avx2(const int mr, __m256 acc[MR2][2], const uint16_t *x,
+                                  int64_t K, const uint16_t *p, int64_t k2, const int half) {
+    const __m256i w0 = _mm256_loadu_si256((const __m256i *)(p + k2 * 32));
+    const __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + k2 * 32 + 16));
+    const __m256 b00 = bf16_lo(w0), b01 = bf16_hi(w0);          /* rows 0-7: k, k + 1 */
+    const __m256 b10 = bf16_lo(w1), b11 = bf16_hi(w1);          /* rows 8-15 */
+    for (int i = 0; i < mr; i++) {
+        uint32_t pair = 0;
+        memcpy(&pair, x + i * K + 2 * k2, half ? 2 : 4);
+        const __m256i ab = _mm256_set1_epi32((int)pair);
+        const __m256 a0 = bf16_lo(ab), a1 = bf16_hi(ab);
+        acc[i][0] = _mm256_fmadd_ps(a1, b01, _mm256_fmadd_ps(a0, b00, acc[i][0]));
+        acc[i][1] = _mm256_fmadd_ps(a1, b11, _mm256_fmadd_ps(a0, b10, acc[i][1]));
+    }
+}
+
 /* bf16: weights in pairs, x bfloat16; else float32. `mr` compile-time at each call. */
 INLINE TARGET_AVX2 void tile_avx2(const int bf16, const int mr, const void *xv, int64_t K,
                                   const void *pv, const void *bias, void *yv, int64_t N,
@@ -193,21 +211,8 @@ INLINE TARGET_AVX2 void tile_avx2(const int bf16, const int mr, const void *xv, 
         }
     } else {
         const uint16_t *x = xv, *p = pv;
-        for (int64_t k2 = 0; k2 < (K + 1) / 2; k2++) {
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(p + k2 * 32));
-            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + k2 * 32 + 16));
-            const __m256 b00 = bf16_lo(w0), b01 = bf16_hi(w0);   /* rows 0-7: k, k + 1 */
-            const __m256 b10 = bf16_lo(w1), b11 = bf16_hi(w1);   /* rows 8-15 */
-            const int half = 2 * k2 + 1 == K;                    /* K odd: no x[k + 1] */
-            for (int i = 0; i < mr; i++) {
-                uint32_t pair = 0;
-                memcpy(&pair, x + i * K + 2 * k2, half ? 2 : 4);
-                const __m256i ab = _mm256_set1_epi32((int)pair);
-                const __m256 a0 = bf16_lo(ab), a1 = bf16_hi(ab);
-                acc[i][0] = _mm256_fmadd_ps(a1, b01, _mm256_fmadd_ps(a0, b00, acc[i][0]));
-                acc[i][1] = _mm256_fmadd_ps(a1, b11, _mm256_fmadd_ps(a0, b10, acc[i][1]));
-            }
-        }
+        for (int64_t k2 = 0; k2 < K / 2; k2++) pair_avx2(mr, acc, x, K, p, k2, 0);
+        if (K & 1) pair_avx2(mr, acc, x, K, p, K / 2, 1);
     }
     for (int h = 0; h < 2; h++) {
         const int64_t n = n0 + 8 * h, left = N - n;
