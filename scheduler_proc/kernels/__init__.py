@@ -4,6 +4,7 @@
     quant.c        y = x W^T + b on GGUF's Q8_0 / Q4_0 / Q4_1 blocks (models/quant_linear.py)
     attention.c    decode attention read in place from the paged KV pool (attention.py)
     elementwise.c  residual add + RMSNorm, RoPE, SiLU-and-multiply (models/llama.py)
+    decode.c       every layer of a step of decode rows in one call (models/fast_decode.py)
     simd.h         what they share: float32/bfloat16 loads and stores, exp
 
 The C files are compiled together on first use with the system C compiler (`cc`, about
@@ -62,6 +63,9 @@ SIGNATURES = {
     # D, scale, out)
     "zs_decode_attention_avx2": [_p, _i64, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64,
                                  _float, _p],
+    # (model, M, x, r, positions, table, ctx, rows, lens, slots, y, qkv, att, gu, act) -> 0,
+    # or -1: out of memory (decode.c)
+    "zs_decode_layers": [_p, _i64, _p, _p, _p, _p, _i64, _p, _p, _p, _p, _p, _p, _p, _p],
     # (bf16, kv, slots, N, k, v, k/v row stride, Hkv * D)
     "zs_kv_write": [_int, _p, _p, _i64, _p, _p, _i64, _i64],
     # (bf16, x, residual or NULL, h out or NULL, weight, eps, M, D, y)
@@ -77,7 +81,7 @@ SIGNATURES = {
     # (ggml type, x, M, K, weight blocks, N, bias or NULL, y) -> 0, or -1: out of memory
     "zs_linear_quant": [_int, _p, _i64, _i64, _p, _i64, _p, _p],
 }
-RESTYPES = {"zs_linear_quant": _int}
+RESTYPES = {"zs_linear_quant": _int, "zs_decode_layers": _int}
 
 
 @functools.cache

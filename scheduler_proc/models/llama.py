@@ -201,11 +201,14 @@ class CausalLM(nn.Module):
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         # Built on the CPU even when the module is built on `meta`; load_model moves and casts it.
         self.register_buffer("cos_sin", rope_cos_sin(config, device="cpu"), persistent=False)
+        self.fast = None        # a FastDecode (fast_decode.py), set by load_model where it applies
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         """input_ids, positions: [N] -> [N, hidden], the residual stream after the last layer
         (compute_logits applies the final norm, only to the rows that need logits)."""
+        if self.fast is not None and self.fast.takes(attn, input_ids.shape[0]):
+            return self.fast.run(input_ids, positions, attn)    # the same, in one C call
         x = (self.embed_tokens(input_ids) if self.tp is None
              else self._embed_sharded(input_ids))
         residual = None

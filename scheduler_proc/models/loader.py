@@ -38,6 +38,7 @@ from .llama import ROW_BIASES, CausalLM
 from scheduler_proc import kernels
 from scheduler_proc.tp import SOLO
 from .cpu_linear import CpuLinear
+from .fast_decode import FastDecode
 from .packed import PackedLinear, can_pack
 from .quant_linear import QuantLinear, quantize_q8_0
 from .tp import VOCAB_PARTS, Selection, Shard
@@ -102,6 +103,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.d
             model.lm_head = nn.Linear(hidden, rows, bias=False, device=device, dtype=dtype)
             model.lm_head.weight.data = model.embed_tokens.weight.data
         _replace_linears(model, layer)
+    model.fast = FastDecode.of(model)
     return model
 
 

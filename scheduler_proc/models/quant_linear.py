@@ -3,9 +3,9 @@
 The weight is GGUF's own blocks of 32 (Q8_0, Q4_0 or Q4_1; quant.c gives the layouts): the
 bytes of the file, regrouped 8 output rows at a time so that the kernel computes 8 outputs
 per vector (or, for --quantization int8, Q8_0 blocks made at load from a float checkpoint:
-`quantize_q8_0`). A decode step reads 8.5 bits
-(Q8_0), 4.5 (Q4_0) or 5 (Q4_1) per weight instead of 32 (float32) or 16 (bfloat16): the
-single-stream decode that is bound by memory bandwidth reads 3.5-7x fewer bytes.
+`quantize_q8_0`). A decode step reads 8.5 bits (Q8_0), 4.5 (Q4_0) or 5 (Q4_1) per weight
+instead of 32 (float32) or 16 (bfloat16): the single-stream decode that is bound by memory
+bandwidth reads 2-7x fewer bytes.
 
 x is quantized to int8 per block of 32 inside the kernel, as llama.cpp does: outputs differ
 from dequantize-then-matmul by x's rounding only (relative ~1e-3 of a typical output).

@@ -1,0 +1,100 @@
+"""FastDecode (models/fast_decode.py, kernels/decode.c): a step of decode rows through every
+layer in one C call must give the module path's hidden state and KV pool bit for bit, for
+float32 panels (safetensors) and GGUF blocks, with and without biases, at batch 1 and in a
+batch; and it must stay out of the way where it does not apply."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from checkpoints.tiny import build_tiny_checkpoint
+from scheduler_proc import kernels
+from scheduler_proc.attention import StepAttention
+from scheduler_proc.models import load_model
+from scheduler_proc.pool import KVCache
+from test_gguf import write_gguf
+
+needs_kernels = pytest.mark.skipif(not kernels.avx2_available("cpu"),
+                                   reason="no AVX2 kernels here: the fast path never applies")
+
+
+def decode_step(model, cache, table, rows, lens, ids):
+    out_slots = [int(table[r, n - 1]) for r, n in zip(rows, lens)]
+    attn = StepAttention.build(cache, table, out_slots, rows, lens, [], "cpu",
+                               decode_kernel=True)
+    return model(torch.tensor(ids), torch.tensor([n - 1 for n in lens]), attn)
+
+
+def both_paths(model, batch: int):
+    """(fast hidden, fast pool), (module hidden, module pool) for one decode step of `batch`
+    rows over random cached K/V."""
+    c = model.config
+    results = []
+    for fast in (model.fast, None):
+        torch.manual_seed(0)
+        cache = KVCache(c.num_layers, 40 * batch, c.num_kv_heads, c.head_dim, torch.float32,
+                        "cpu")
+        for kv in cache.kv:
+            kv.normal_()
+        table = torch.arange(1, 40 * batch + 1).view(batch, 40)
+        rows, lens = list(range(batch))[::-1], [1 + 7 * i % 37 for i in range(batch)]
+        ids = torch.randint(5, 700, (batch,)).tolist()
+        saved, model.fast = model.fast, fast
+        try:
+            hidden = decode_step(model, cache, table, rows, lens, ids)
+        finally:
+            model.fast = saved
+        results.append((hidden, [kv.clone() for kv in cache.kv]))
+    return results
+
+
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory):
+    """wide_heads(family): the tiny checkpoint with heads of 32 (the decode attention
+    kernel's smallest; the default tiny heads of 16 take SDPA, so no fast path)."""
+    made = {}
+
+    def make(family: str):
+        if family not in made:
+            made[family] = build_tiny_checkpoint(
+                tmp_path_factory.mktemp(family), family, hidden_size=128,
+                num_attention_heads=4, num_key_value_heads=2, intermediate_size=192)
+        return made[family]
+    return make
+
+
+@needs_kernels
+@pytest.mark.parametrize("family,qtype", [("llama", None), ("qwen2", None),
+                                          ("qwen2", "Q8_0"), ("llama", "Q4_1"),
+                                          ("llama", "Q4_0")])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_fast_path_equals_module_path(wide_heads, tmp_path, family, qtype, batch):
+    path = wide_heads(family)
+    if qtype is not None:
+        path = write_gguf(path, tmp_path / "m.gguf", getattr(gguf.GGMLQuantizationType, qtype))
+    model = load_model(path, torch.float32, "cpu")
+    assert model.fast is not None
+    (fast, fast_kv), (slow, slow_kv) = both_paths(model, batch)
+    assert torch.equal(fast, slow)
+    assert all(torch.equal(a, b) for a, b in zip(fast_kv, slow_kv))
+    assert fast.abs().max() > 0
+
+
+def test_fast_path_stays_out_of_the_way(tiny_model, wide_heads):
+    """Qwen3 (per-head q/k norm), bfloat16 and unpacked layers take the module path; so
+    does a step with a prefill segment (FastDecode.takes)."""
+    assert load_model(tiny_model("qwen3"), torch.float32, "cpu").fast is None
+    assert load_model(tiny_model("llama"), torch.float32, "cpu").fast is None   # heads of 16
+    assert load_model(wide_heads("llama"), torch.bfloat16, "cpu").fast is None
+    assert load_model(wide_heads("llama"), torch.float32, "cpu", pack=False).fast is None
+    model = load_model(wide_heads("llama"), torch.float32, "cpu")
+    if model.fast is None:
+        pytest.skip("no AVX2 kernels here")
+    cache = KVCache(model.config.num_layers, 64, model.config.num_kv_heads,
+                    model.config.head_dim, torch.float32, "cpu")
+    table = torch.arange(1, 65).view(2, 32)
+    prefill = StepAttention.build(cache, table, [1, 2, 3], [], [], [(0, 0, 3)], "cpu",
+                                  decode_kernel=True)
+    assert not model.fast.takes(prefill, 3)
