@@ -61,7 +61,8 @@ SERVERS = [("llama", config) for config in CONFIGS] + \
 def server(request, tiny_model, tmp_path_factory):
     family, config = request.param
     flags, env = CONFIGS[config]
-    if config == "torch-kernels" and not kernels.available("cpu", torch.float32):
+    if config == "torch-kernels" and not (kernels.available("cpu", torch.float32)
+                                          or kernels.avx2_available("cpu")):
         pytest.skip("no CPU kernels on this machine: every configuration runs torch's path")
     if (family, config) == ("llama", "radix"):          # default flags: the shared server
         s = request.getfixturevalue("llama_server")
