@@ -50,7 +50,13 @@ class Server:
             cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
             start_new_session=True)     # its own process group, as under a shell's job control
         self.client = httpx.Client(base_url=self.url, timeout=120.0)
-        self._wait_healthy()
+        try:
+            self._wait_healthy()
+        except BaseException:           # a failed or interrupted (Ctrl-C) startup leaves
+            with contextlib.suppress(ProcessLookupError):           # no process behind
+                os.killpg(self.proc.pid, signal.SIGKILL)            # (its own group)
+            self.kill()
+            raise
         self.children = psutil.Process(self.proc.pid).children(recursive=True)
 
     def _wait_healthy(self) -> None:
