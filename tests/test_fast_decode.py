@@ -13,6 +13,8 @@ from checkpoints.tiny import build_tiny_checkpoint
 from scheduler_proc import kernels
 from scheduler_proc.attention import StepAttention
 from scheduler_proc.models import load_model
+from scheduler_proc.models.cpu_linear import CpuLinear
+from scheduler_proc.models.quant_linear import QuantLinear
 from scheduler_proc.pool import KVCache
 from test_gguf import write_gguf
 
@@ -24,7 +26,10 @@ def decode_step(model, cache, table, rows, lens, ids):
     out_slots = [int(table[r, n - 1]) for r, n in zip(rows, lens)]
     attn = StepAttention.build(cache, table, out_slots, rows, lens, [], "cpu",
                                decode_kernel=True)
-    return model(torch.tensor(ids), torch.tensor([n - 1 for n in lens]), attn)
+    positions = torch.tensor([n - 1 for n in lens])
+    if model.fast is not None:
+        assert model.fast.takes(attn, positions)        # the fast path really runs
+    return model(torch.tensor(ids), positions, attn)
 
 
 def both_paths(model, batch: int):
@@ -74,7 +79,10 @@ def test_fast_path_equals_module_path(wide_heads, tmp_path, family, qtype, batch
     path = wide_heads(family)
     if qtype is not None:
         path = write_gguf(path, tmp_path / "m.gguf", getattr(gguf.GGMLQuantizationType, qtype))
-    model = load_model(path, torch.float32, "cpu")
+    model = load_model(path, torch.float32, "cpu",
+                       quantization="none" if qtype is None else "gguf")
+    layer_type = CpuLinear if qtype is None else QuantLinear
+    assert isinstance(model.layers[0].self_attn.qkv_proj, layer_type)
     assert model.fast is not None
     (fast, fast_kv), (slow, slow_kv) = both_paths(model, batch)
     assert torch.equal(fast, slow)
@@ -97,4 +105,4 @@ def test_fast_path_stays_out_of_the_way(tiny_model, wide_heads):
     table = torch.arange(1, 65).view(2, 32)
     prefill = StepAttention.build(cache, table, [1, 2, 3], [], [], [(0, 0, 3)], "cpu",
                                   decode_kernel=True)
-    assert not model.fast.takes(prefill, 3)
+    assert not model.fast.takes(prefill, torch.arange(3))

@@ -362,8 +362,8 @@ def test_int8_quantizes_a_float_checkpoint(tiny_model):
 
 
 def test_mixed_file_keeps_only_native_layers_in_blocks(tiny_model, tmp_path):
-    """A layer whose parts are of a type quant.c lacks (Q6_K here, or a fused layer of two
-    types) is dequantized; the others stay in blocks; the model still runs."""
+    """A layer whose parts are of a type quant.c lacks (F32 here), or a fused layer of two
+    types, is dequantized; the others stay in blocks; the model still runs."""
     if not kernels.avx2_available("cpu"):
         pytest.skip("no quantized kernels here")
     path = write_gguf(tiny_model("llama"), tmp_path / "mixed.gguf", T.Q8_0,
@@ -402,7 +402,7 @@ def test_resolve_quantization_refuses(flags, is_gguf, message, monkeypatch):
         resolve_quantization(ServerArgs(**flags), is_gguf)
 
 
-def test_no_kernels_means_dequantized(monkeypatch):
+def test_no_kernels_means_dequantized(monkeypatch, tiny_file):
     """A CPU without the instructions: auto dequantizes, asking for gguf is refused, and
     the loader refuses too (the torch path is the one every other test runs)."""
     monkeypatch.setattr("launch.runs_avx2_kernels", lambda: False)
@@ -410,10 +410,15 @@ def test_no_kernels_means_dequantized(monkeypatch):
     with pytest.raises(StartupError, match="AVX2"):
         resolve_quantization(ServerArgs(quantization="gguf"), True)
     monkeypatch.setattr(kernels, "avx2_available", lambda device: False)
-    path = smollm2_path()
-    if path is not None:
-        with pytest.raises(ValueError, match="AVX2"):
-            load_model(path, torch.float32, "cpu", quantization="gguf")
+    with pytest.raises(ValueError, match="AVX2"):
+        load_model(tiny_file("llama", "Q8_0"), torch.float32, "cpu", quantization="gguf")
+
+
+def test_kernels_switched_off_means_dequantized(monkeypatch):
+    """ZSERVE_CPU_KERNELS=0 rules every kernel out, the quantized ones included: a GGUF
+    with no flags is then served dequantized, not refused."""
+    monkeypatch.setenv("ZSERVE_CPU_KERNELS", "0")
+    assert resolve_quantization(ServerArgs(), True) == "none"
 
 
 # ---------------------------------------------------------------------------------------

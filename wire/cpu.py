@@ -5,10 +5,11 @@ scheduler_proc/kernels checks its kernels' instructions with it."""
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
 
-# What zserve's AVX2 kernels need (every x86-64 CPU since 2013): kernels/quant.c, and the
-# float32 decode attention of kernels/attention.c on CPUs without AVX-512.
+# What zserve's AVX2 kernels need (every x86-64 CPU since 2013): kernels/quant.c, and on
+# CPUs without AVX-512 the *_avx2 functions of linear.c, attention.c and elementwise.c.
 AVX2_FLAGS = frozenset({"avx2", "fma", "f16c"})
 
 
@@ -24,4 +25,6 @@ def cpu_flags() -> frozenset[str]:
 
 
 def runs_avx2_kernels() -> bool:
-    return AVX2_FLAGS <= cpu_flags()
+    """Can this CPU run them, and are they not switched off (ZSERVE_CPU_KERNELS=0, the
+    switch scheduler_proc/kernels reads too)?"""
+    return os.environ.get("ZSERVE_CPU_KERNELS", "1") != "0" and AVX2_FLAGS <= cpu_flags()

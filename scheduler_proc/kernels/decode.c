@@ -4,8 +4,8 @@
  * The same kernels, in the same order, on the same buffers as the model's Python path
  * (models/llama.py through ops.py, attention.py and the linear modules), so the results
  * are bit for bit the same; what goes away is Python between them: ~300 calls a token,
- * each with its tensor allocations and ctypes conversions, which cost more than the
- * kernels themselves at batch 1 (models/fast_decode.py measures it).
+ * each with its tensor allocations and ctypes conversions, which cost as much as the
+ * kernels themselves at batch 1 (README "Performance").
  *
  * Per layer, for M rows (x: the previous layer's output, r: the residual stream):
  *   y = norm(x + r) (r = x + r; the first layer: y = norm(x), r = x)

@@ -52,13 +52,6 @@ QINLINE QTARGET float fp16(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-QINLINE QTARGET float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* ---- x -> int8 blocks ----------------------------------------------------------------- */
 
 /* One row: xq[K], dx[K/32] (the scales), sx[K/32] = dx * sum(xq) (for the offset terms). */

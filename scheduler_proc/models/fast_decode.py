@@ -63,8 +63,7 @@ class FastDecode:
         self.c = c_model
         self._c_addr = ctypes.addressof(c_model)
         self.layers = layers                # the ctypes array c_model points into
-        self._keep = keep                   # tensors whose pointers the structs hold
-        self._cache = None                  # the KV cache whose pointers are filled in
+        self._keep = keep                   # what the structs hold pointers into
         self._run = kernels.library().zs_decode_layers
 
     @classmethod
@@ -90,6 +89,8 @@ class FastDecode:
                                                  layer.mlp.gate_up_proj, layer.mlp.down_proj)]
             if any(p is None for p in parts):
                 return None
+            keep.extend((layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                         layer.mlp.gate_up_proj, layer.mlp.down_proj))
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             if any(w.dtype != dtype or not w.is_contiguous() for w in norms):
                 return None
@@ -105,22 +106,26 @@ class FastDecode:
         return cls(model, c_model, layers, keep)
 
     @staticmethod
-    def takes(attn, n: int) -> bool:
-        """Is this step (n tokens, attention `attn`) all decode rows on the kernels?"""
-        return (getattr(attn, "kernel", False) and not attn.prefills
-                and attn.num_decode == n and n > 0)
+    def takes(attn, positions: torch.Tensor) -> bool:
+        """Is this step (its positions, attention `attn`) all decode rows on the kernels,
+        with the int64 contiguous index tensors decode.c reads?"""
+        n = positions.shape[0]
+        return bool(getattr(attn, "kernel", False) and not attn.prefills
+                    and attn.num_decode == n and n > 0
+                    and all(t.dtype == torch.int64 and t.is_contiguous()
+                            for t in (positions, attn.table, attn.out_slots,
+                                      attn.decode.rows, attn.decode.lens)))
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """CausalLM.forward for such a step: [N] ids and positions -> [N, hidden]."""
-        if attn.cache is not self._cache:
-            for i, kv in enumerate(attn.cache.kv):
-                self.layers[i].kv = kv.data_ptr()
-            self._cache = attn.cache
+        for i, kv in enumerate(attn.cache.kv):          # every step: cheap, never stale
+            self.layers[i].kv = kv.data_ptr()
         c = self.c
         x = self.model.embed_tokens(input_ids)
         m = x.shape[0]
         qw = (c.heads + 2 * c.kv_heads) * c.head_dim
-        scratch = torch.empty(m * (2 * c.hidden + qw + c.heads * c.head_dim + 3 * c.inter))
+        scratch = torch.empty(m * (2 * c.hidden + qw + c.heads * c.head_dim + 3 * c.inter),
+                              dtype=torch.float32)
         r, y, qkv, att, gu, act = torch.split(
             scratch, [m * c.hidden, m * c.hidden, m * qw, m * c.heads * c.head_dim,
                       m * 2 * c.inter, m * c.inter])

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from .llama import ROW_BIASES
+from .quant_linear import BLOCK_TYPES
 from wire.model_path import SIDECAR_FILE, SIDECAR_VERSION, gguf_file_key, gguf_sidecar_dir
 
 # general.architecture -> the HF architecture we build. Mistral GGUFs say "llama".
@@ -421,7 +422,7 @@ def _unpermute_rows(rows, heads: int, head_dim: int):
 
 
 # The block types kernels/quant.c runs on (models/quant_linear.py: QuantLinear).
-NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+NATIVE_TYPES = tuple(BLOCK_TYPES)
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj",
             "lm_head")
 

@@ -207,7 +207,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         """input_ids, positions: [N] -> [N, hidden], the residual stream after the last layer
         (compute_logits applies the final norm, only to the rows that need logits)."""
-        if self.fast is not None and self.fast.takes(attn, input_ids.shape[0]):
+        if self.fast is not None and self.fast.takes(attn, positions):
             return self.fast.run(input_ids, positions, attn)    # the same, in one C call
         x = (self.embed_tokens(input_ids) if self.tp is None
              else self._embed_sharded(input_ids))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -42,6 +43,8 @@ from .fast_decode import FastDecode
 from .packed import PackedLinear, can_pack
 from .quant_linear import QuantLinear, quantize_q8_0
 from .tp import VOCAB_PARTS, Selection, Shard
+
+log = logging.getLogger(__name__)
 
 # Our fused projection -> its checkpoint parts, stacked in this order along the output dim.
 _FUSED = {
@@ -133,20 +136,31 @@ def _keep_gguf_blocks(model: CausalLM, header) -> frozenset[str]:
     returns the GGUF tensors so consumed."""
     from . import gguf
 
-    used = set()
+    used, kept = set(), {}
     for name, (qtype, blocks, keys) in gguf.native_linears(header, model.config).items():
         old = None if name == "lm_head" and model.lm_head is None else model.get_submodule(name)
         out_features = old.out_features if old is not None else model.config.vocab_size
         in_features = old.in_features if old is not None else model.config.hidden_size
-        if blocks.shape[0] != out_features:
-            raise ValueError(f"{header.path.name}: {', '.join(keys)} hold {blocks.shape[0]} "
-                             f"rows, expected {out_features} for {name}")
+        widths = {header.tensors[key].shape[-1] for key in keys}
+        if blocks.shape[0] != out_features or widths != {in_features}:
+            raise ValueError(f"{header.path.name}: {', '.join(keys)} have shapes "
+                             f"{[header.tensors[key].shape for key in keys]}, expected "
+                             f"{out_features} rows of {in_features} in all for {name}")
         bias = None if old is None or old.bias is None else old.bias      # still on meta
-        quant = QuantLinear(qtype, torch.from_numpy(blocks.copy()), in_features, bias)
+        quant = QuantLinear(qtype, torch.from_numpy(blocks), in_features, bias)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, quant)
+        kept[qtype] = kept.get(qtype, 0) + 1
         if name != "lm_head" or not model.config.tie_word_embeddings:
             used.update(keys)
+    total = 4 * model.config.num_layers + 1
+    if kept:
+        log.info("quantization gguf: %d of %d linear layers kept in their blocks (%s)",
+                 sum(kept.values()), total, ", ".join(f"{n} {t}" for t, n in kept.items()))
+    else:
+        log.warning("quantization gguf: none of %s's linear layers is Q8_0, Q4_0 or Q4_1; "
+                    "all are dequantized (this file needs --quantization none's memory)",
+                    header.path.name)
     return frozenset(used)
 
 

@@ -93,14 +93,14 @@ class QuantLinear(nn.Module):
         ~120 times per decode step, and each torch call here costs microseconds."""
         if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() \
                 and x.shape[1] == self.in_features and x.device.type == "cpu":
-            y = torch.empty((x.shape[0], self.out_features))
+            y = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
             self._run(x, y)
             return y
         if x.shape[-1] != self.in_features or x.device.type != "cpu":
             raise ValueError(f"QuantLinear({self.in_features} -> {self.out_features}) got "
                              f"{tuple(x.shape)} on {x.device}")
         x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
-        y = torch.empty((x2.shape[0], self.out_features))
+        y = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
         self._run(x2, y)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
