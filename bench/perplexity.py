@@ -67,6 +67,7 @@ import time
 
 import httpx
 
+from bench.table import text_table
 from bench.throughput import gguf_file, hf_load, launch_server, parse_config, same_model
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -361,14 +362,8 @@ def print_table(report: dict) -> None:
                       _num(r["ppl"]), _num(r.get("ppl_err")), vs,
                       _f(r.get("mean_abs_dlogprob"), ".2e"), _f(r.get("max_abs_dlogprob"), ".2e"),
                       _f(r.get("wall_s"), ".1f"), r.get("flags") or "-"])
-    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(x.ljust(w) if i in (0, len(head) - 1) else x.rjust(w)
-                                   for i, (x, w) in enumerate(zip(cells, widths))).rstrip()
     print()
-    print(line(head))
-    print(line(["-" * w for w in widths]))
-    for t in table:
-        print(line(t))
+    print(text_table(head, table, left={0, len(head) - 1}))
     print()
     print("PPL = exp(mean NLL); +/- = PPL * stderr(NLL) over this text. vs first: PPL relative "
           "to the first row. |dlp|: per-token |logprob difference| from the first row (same "

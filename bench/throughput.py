@@ -93,6 +93,7 @@ from typing import Callable
 import httpx
 import psutil
 
+from bench.table import text_table
 from tests.server import Server, free_port   # the harness for launching zserve as a subprocess
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -146,21 +147,17 @@ def matmul_params(model_path: str) -> dict:
 
 
 # zserve's linear layers (fused as it fuses them) by their GGUF parts; then the LM head.
-_GGUF_LINEARS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"),
-                 ("ffn_down",))
 _FLOAT_TYPES = {"F32", "F16", "BF16"}
 
 
-def linear_types(gguf: pathlib.Path) -> list[set[str]]:
-    """The GGUF tensor types of each linear layer: qkv, o, gate_up and down of every block,
-    then the LM head (output.weight, or token_embd.weight when the embedding is tied)."""
-    from scheduler_proc.models.gguf import read_header
-    tensors = read_header(gguf).tensors
-    blocks = sorted({int(name.split(".")[1]) for name in tensors if name.startswith("blk.")})
-    groups = [[f"blk.{i}.{part}.weight" for part in parts]
-              for i in blocks for parts in _GGUF_LINEARS]
-    groups.append(["output.weight" if "output.weight" in tensors else "token_embd.weight"])
-    return [{tensors[name].type_name for name in g if name in tensors} for g in groups]
+def gguf_linear_types(gguf: pathlib.Path) -> list[tuple[set[str], bool]]:
+    """Each linear layer's GGUF tensor types, and whether zserve keeps it in its blocks
+    (scheduler_proc/models/gguf.py: linear_types)."""
+    from scheduler_proc.models import ModelConfig
+    from scheduler_proc.models import gguf as zgguf
+    header = zgguf.read_header(gguf)
+    config = ModelConfig.from_dict(zgguf.config_dict(header), zgguf.generation_dict(header))
+    return list(zgguf.linear_types(header, config).values())
 
 
 def zserve_weights(info: dict, model_path: str) -> str | None:
@@ -171,12 +168,11 @@ def zserve_weights(info: dict, model_path: str) -> str | None:
     if quantization == "int8":
         return "int8 (Q8_0) blocks"
     if quantization == "gguf":
-        from scheduler_proc.models.gguf import NATIVE_TYPES
         if (gguf := gguf_file(model_path)) is None:
             return "gguf blocks"
         kept, cast = set(), set()
-        for types in linear_types(gguf):
-            (kept if len(types) == 1 and types <= set(NATIVE_TYPES) else cast).update(types)
+        for types, native in gguf_linear_types(gguf):
+            (kept if native else cast).update(types)
         label = [f"{'+'.join(sorted(kept))} blocks"] if kept else []
         label += [f"{'+'.join(sorted(cast))} as {dtype}"] if cast else []
         return ", ".join(label)
@@ -185,7 +181,7 @@ def zserve_weights(info: dict, model_path: str) -> str | None:
 
 def llama_weights(gguf: pathlib.Path) -> str:
     """What llama.cpp computes a GGUF's linear layers with: the file's own types."""
-    types = set().union(*linear_types(gguf))
+    types = set().union(*(types for types, _ in gguf_linear_types(gguf)))
     return "+".join(sorted(types)) + ("" if types <= _FLOAT_TYPES else " blocks")
 
 
@@ -632,10 +628,6 @@ def print_table(report: dict) -> None:
                  "e2e s": _fmt(r["e2e_mean_s"], spec=".2f"),
                  "load": _fmt(r.get("load1_after"))}
         table.append([cells[h] for h in head])
-    widths = [max(len(h), *(len(t[i]) for t in table)) if table else len(h)
-              for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(c.ljust(w) if h in _LEFT else c.rjust(w)
-                                   for h, c, w in zip(head, cells, widths))
     print()
     print(f"model {c['model_path']}  ({report['params']['matmul'] / 1e6:.1f}M matmul params, "
           f"{report['params']['layers']} layers, on disk {report['params']['dtype_on_disk']})  "
@@ -657,10 +649,7 @@ def print_table(report: dict) -> None:
     print("MFU = 2 * N_matmul_params * output_tok_per_s / peak_FLOP_per_s "
           "(attention-score FLOPs and prefill not counted)")
     print()
-    print(line(head))
-    print(line(["-" * w for w in widths]))
-    for t in table:
-        print(line(t))
+    print(text_table(head, table, left={i for i, h in enumerate(head) if h in _LEFT}))
     print()
     print("batch: all prompts at once (zserve: concurrent HTTP requests, continuous batching; "
           "transformers: one static-batch generate()). single: one request at a time.")
@@ -730,7 +719,6 @@ def run_zserve(args, model_path: str, prompts, single_prompts, modes, report,
     """One zserve server (launched with `flags`, or --url): warm-up, then each mode. Each
     result says what the server's linear layers ran on (`weights`, from /server_info)."""
     server = None
-    results = []
     weights = None
     try:
         if args.url:
@@ -751,18 +739,8 @@ def run_zserve(args, model_path: str, prompts, single_prompts, modes, report,
                       f"{model_path}", file=sys.stderr)
         except Exception:
             pass
-        print("# zserve warm-up ...", file=sys.stderr)
-        warmup(ZSERVE, url, prompts, args.output_len)
-        for mode in modes:
-            print(f"# zserve {mode} ...", file=sys.stderr)
-            if mode == "batch":
-                results.append(run_batch(ZSERVE, url, prompts, args.output_len, args.dtype))
-            else:
-                results.append(run_single(ZSERVE, url, single_prompts, args.output_len,
-                                          args.dtype))
-            results[-1]["weights"] = weights
-            if server is not None:
-                results[-1]["rss_mb"] = tree_rss_mb(server.proc.pid)
+        return run_modes(ZSERVE, "zserve", url, prompts, single_prompts, modes, args,
+                         args.dtype, weights, None if server is None else server.proc.pid)
     except Exception:
         if server is not None:
             print(f"# server log tail:\n{server.logs()[-4000:]}", file=sys.stderr)
@@ -771,6 +749,24 @@ def run_zserve(args, model_path: str, prompts, single_prompts, modes, report,
         if server is not None:
             rc = server.terminate()
             print(f"# zserve stopped (exit {rc})", file=sys.stderr)
+
+
+def run_modes(client, name: str, url: str, prompts, single_prompts, modes, args, dtype: str,
+              weights: str, pid: int | None) -> list[dict]:
+    """One server's turn once it is up: warm-up, then each mode, a result row each (with
+    the weights served and, for a server launched here, its process tree's memory)."""
+    print(f"# {name} warm-up ...", file=sys.stderr)
+    warmup(client, url, prompts, args.output_len)
+    results = []
+    for mode in modes:
+        print(f"# {name} {mode} ...", file=sys.stderr)
+        if mode == "batch":
+            results.append(run_batch(client, url, prompts, args.output_len, dtype))
+        else:
+            results.append(run_single(client, url, single_prompts, args.output_len, dtype))
+        results[-1]["weights"] = weights
+        if pid is not None:
+            results[-1]["rss_mb"] = tree_rss_mb(pid)
     return results
 
 
@@ -778,7 +774,6 @@ def run_llama(args, llama_model: str, prompts, single_prompts, modes, report) ->
     """One llama-server turn: launched on llama_model with a slot per prompt, warm-up, each
     mode, stopped."""
     server = None
-    results = []
     slots = len(prompts)
     ctx = slots * llama_slot_context(args.input_len, args.output_len)
     try:
@@ -788,17 +783,8 @@ def run_llama(args, llama_model: str, prompts, single_prompts, modes, report) ->
         report["llama"]["command"] = shlex.join(server.command)
         print(f"# launched llama-server on {server.url} (log: {server.log_path})",
               file=sys.stderr)
-        print("# llama.cpp warm-up ...", file=sys.stderr)
-        warmup(LLAMA, server.url, prompts, args.output_len)
-        for mode in modes:
-            print(f"# llama.cpp {mode} ...", file=sys.stderr)
-            if mode == "batch":
-                results.append(run_batch(LLAMA, server.url, prompts, args.output_len, "-"))
-            else:
-                results.append(run_single(LLAMA, server.url, single_prompts, args.output_len,
-                                          "-"))
-            results[-1]["weights"] = report["llama"]["weights"]
-            results[-1]["rss_mb"] = tree_rss_mb(server.proc.pid)
+        return run_modes(LLAMA, "llama.cpp", server.url, prompts, single_prompts, modes,
+                         args, "-", report["llama"]["weights"], server.proc.pid)
     except Exception:
         if server is not None:
             print(f"# llama-server log tail:\n{server.logs()[-4000:]}", file=sys.stderr)
@@ -807,7 +793,6 @@ def run_llama(args, llama_model: str, prompts, single_prompts, modes, report) ->
         if server is not None:
             rc = server.stop()
             print(f"# llama-server stopped (exit {rc})", file=sys.stderr)
-    return results
 
 
 def main(argv=None) -> int:

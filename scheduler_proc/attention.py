@@ -10,12 +10,14 @@ The model calls `attn(layer, q, k, v)`; K/V of this step's tokens are written to
 slots first, then read back through the table, so a segment sees its cached prefix.
 
 Decode rows run on our C kernel (kernels/attention.c: reads K/V in place through the table,
-online softmax in float32; AVX-512, or AVX2 for float32) where `decode_kernel_fits`; elsewhere (CUDA, other CPUs) they
-are gathered into a padded [B, T] batch for SDPA with a length mask.
+online softmax in float32; AVX-512, or AVX2 for float32) where `decode_kernel_fits`;
+elsewhere (CUDA, other CPUs) they are gathered into a padded [B, T] batch for SDPA with a
+length mask.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -27,12 +29,24 @@ from scheduler_proc.pool import KVCache
 KERNEL_MAX_HEADS, KERNEL_HEAD_DIMS = 64, (32, 64, 128, 256)     # as in attention.c
 
 
+@functools.cache
+def _decode_function(device_type: str, dtype: torch.dtype):
+    """attention.c's decode attention for this device and dtype, taking its arguments
+    without the dtype flag (its AVX-512 kernel, or for float32 its AVX2 one), or None."""
+    if device_type != "cpu":
+        return None
+    if kernels.available("cpu", dtype):
+        return functools.partial(kernels.library().zs_decode_attention,
+                                 int(dtype == torch.bfloat16))
+    if dtype == torch.float32 and kernels.avx2_available("cpu"):
+        return kernels.library().zs_decode_attention_avx2
+    return None
+
+
 def decode_kernel_fits(device: torch.device, dtype: torch.dtype, num_heads: int,
                        num_kv_heads: int, head_dim: int) -> bool:
-    """Can decode rows of this model run on kernels/attention.c (its AVX-512 kernel, or
-    for float32 its AVX2 one)?"""
-    return ((kernels.available(device, dtype)
-             or (dtype == torch.float32 and kernels.avx2_available(device)))
+    """Can decode rows of this model run on kernels/attention.c?"""
+    return (_decode_function(torch.device(device).type, dtype) is not None
             and head_dim in KERNEL_HEAD_DIMS and num_heads % num_kv_heads == 0
             and num_heads <= KERNEL_MAX_HEADS)
 
@@ -167,10 +181,7 @@ class StepAttention:
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()
         kv = self.cache.kv[layer]
-        args = (q.data_ptr(), q.stride(0), kv.data_ptr(), self.table.data_ptr(),
-                self.table.shape[1], self.decode.rows.data_ptr(), self.decode.lens.data_ptr(),
-                b, h, kv.shape[2], d, d ** -0.5, out.data_ptr())
-        if kernels.available(q.device, q.dtype):
-            kernels.library().zs_decode_attention(int(q.dtype == torch.bfloat16), *args)
-        else:                                           # float32 without AVX-512
-            kernels.library().zs_decode_attention_avx2(*args)
+        _decode_function(q.device.type, q.dtype)(
+            q.data_ptr(), q.stride(0), kv.data_ptr(), self.table.data_ptr(),
+            self.table.shape[1], self.decode.rows.data_ptr(), self.decode.lens.data_ptr(),
+            b, h, kv.shape[2], d, d ** -0.5, out.data_ptr())

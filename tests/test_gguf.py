@@ -219,15 +219,22 @@ def hf_greedy(hf, prompt: list[int], steps: int) -> tuple[list[int], list[float]
     return _greedy(hf, prompt, steps)
 
 
-def our_greedy(model, prompt: list[int], steps: int) -> list[int]:
-    attn, out = CachedAttention(), []
+def our_greedy_with_margins(model, prompt: list[int],
+                            steps: int) -> tuple[list[int], list[float]]:
+    """Greedy ids and each step's top-1 / top-2 logit margin."""
+    attn, out, margins = CachedAttention(), [], []
     ids, pos = torch.tensor(prompt), torch.arange(len(prompt))
     for _ in range(steps):
-        hidden = model(ids, pos, attn)
-        nxt = int(model.compute_logits(hidden[-1:])[0].argmax())
-        out.append(nxt)
-        ids, pos = torch.tensor([nxt]), pos[-1:] + 1
-    return out
+        logits = model.compute_logits(model(ids, pos, attn)[-1:])[0]
+        top2 = logits.topk(2).values
+        out.append(int(logits.argmax()))
+        margins.append(float(top2[0] - top2[1]))
+        ids, pos = torch.tensor([out[-1]]), pos[-1:] + 1
+    return out, margins
+
+
+def our_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    return our_greedy_with_margins(model, prompt, steps)[0]
 
 
 IDS = torch.randint(5, 700, (40,), generator=torch.Generator().manual_seed(3))

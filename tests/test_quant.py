@@ -34,7 +34,7 @@ from launch import resolve_quantization
 from scheduler_proc import kernels
 from scheduler_proc.models import load_model
 from scheduler_proc.models.quant_linear import QuantLinear, dequantize, quantize_q8_0
-from test_gguf import CachedAttention, our_logits, smollm2_path, write_gguf
+from test_gguf import our_greedy_with_margins, our_logits, smollm2_path, write_gguf
 from tests.reference import assert_greedy_through_ties
 from tests.server import serving
 from wire.model_path import StartupError
@@ -130,18 +130,6 @@ def test_quantize_q8_0_round_trip():
 # Models: native against dequantized
 
 
-def greedy_with_margins(model, prompt: list[int], steps: int):
-    attn, ids, margins = CachedAttention(), [], []
-    x, pos = torch.tensor(prompt), torch.arange(len(prompt))
-    for _ in range(steps):
-        logits = model.compute_logits(model(x, pos, attn)[-1:])[0]
-        top2 = logits.topk(2).values
-        ids.append(int(logits.argmax()))
-        margins.append(float(top2[0] - top2[1]))
-        x, pos = torch.tensor([ids[-1]]), pos[-1:] + 1
-    return ids, margins
-
-
 def agreement_and_ppl(native, dequantized, ids: torch.Tensor):
     """Teacher-forced: the fraction of positions whose argmax agrees, and both
     perplexities of ids[1:]."""
@@ -165,13 +153,22 @@ class Int8Input(nn.Module):
         return self.linear((torch.round(blocks / torch.where(d == 0, 1, d)) * d).view(x.shape))
 
 
-def with_int8_inputs(model):
-    """model (plain nn.Linear layers, pack=False) with every linear layer's input rounded
-    as the kernel rounds it; a tied head becomes a layer of its own first."""
+def untie(model, share: bool = True):
+    """A tied LM head as a linear layer of its own (sharing the embedding's weight, or a
+    copy of it), so it can be wrapped or quantized like the others; the model, changed in
+    place."""
     if model.lm_head is None:
         rows, hidden = model.embed_tokens.weight.shape
         model.lm_head = nn.Linear(hidden, rows, bias=False)
-        model.lm_head.weight = model.embed_tokens.weight
+        model.lm_head.weight = (model.embed_tokens.weight if share else
+                                nn.Parameter(model.embed_tokens.weight.detach().clone()))
+    return model
+
+
+def with_int8_inputs(model):
+    """model (plain nn.Linear layers, pack=False) with every linear layer's input rounded
+    as the kernel rounds it; a tied head becomes a layer of its own first."""
+    untie(model)
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
@@ -245,8 +242,8 @@ def test_q8_0_native_greedy_equals_dequantized(tiny_file, family):
     compared = 0
     for start in range(0, 48, 8):
         prompt = IDS[start:start + 8].tolist()
-        ref_ids, margins = greedy_with_margins(plain, prompt, 24)
-        ours, _ = greedy_with_margins(native, prompt, 24)
+        ref_ids, margins = our_greedy_with_margins(plain, prompt, 24)
+        ours, _ = our_greedy_with_margins(native, prompt, 24)
         compared += assert_greedy_through_ties(ours, ref_ids, margins, TINY_TIE,
                                                f"{family} from {start}")
     assert compared >= 6 * 24 // 2                  # enough steps agreed to mean something
@@ -290,12 +287,7 @@ def smollm2():
 def requantized(plain, qtype: str):
     """(native, twin): the float model's linear layers quantized to qtype blocks, served on
     the kernel, and the same blocks dequantized, served in float."""
-    native, twin = copy.deepcopy(plain), copy.deepcopy(plain)
-    for model in (native, twin):
-        if model.lm_head is None:
-            rows, hidden = model.embed_tokens.weight.shape
-            model.lm_head = nn.Linear(hidden, rows, bias=False)
-            model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach().clone())
+    native, twin = (untie(copy.deepcopy(plain), share=False) for _ in range(2))
     for (name, a), b in zip(list(native.named_modules()), list(twin.modules())):
         for child_name, child in list(a.named_children()):
             if isinstance(child, nn.Linear):
@@ -335,8 +327,8 @@ def test_smollm2_requantized_native_quality(smollm2, qtype):
         compared = 0
         for start in (0, 100, 200):
             prompt = ids[start:start + 16].tolist()
-            ref_ids, margins = greedy_with_margins(twin, prompt, 16)
-            ours, _ = greedy_with_margins(native, prompt, 16)
+            ref_ids, margins = our_greedy_with_margins(twin, prompt, 16)
+            ours, _ = our_greedy_with_margins(native, prompt, 16)
             compared += assert_greedy_through_ties(ours, ref_ids, margins, SMOLLM2_TIE,
                                                    f"from {start}")
         assert compared >= 3 * 16 // 2
@@ -433,7 +425,7 @@ def test_server_serves_gguf_blocks(tiny_file, tmp_path):
     path = tiny_file("llama", "Q8_0")
     native = load_model(path, torch.float32, "cpu", quantization="gguf")
     prompt = IDS[:8].tolist()
-    expected, _ = greedy_with_margins(native, prompt, 16)
+    expected, _ = our_greedy_with_margins(native, prompt, 16)
     with serving(path, tmpdir=tmp_path) as s:
         assert s.server_info()["quantization"] == "gguf"
         out = s.generate_ok(input_ids=prompt, sampling_params={

@@ -24,7 +24,12 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
+def kernels_switched_on() -> bool:
+    """False where ZSERVE_CPU_KERNELS=0 rules every zserve CPU kernel out (to compare with
+    torch's ops, or to rule the kernels out)."""
+    return os.environ.get("ZSERVE_CPU_KERNELS", "1") != "0"
+
+
 def runs_avx2_kernels() -> bool:
-    """Can this CPU run them, and are they not switched off (ZSERVE_CPU_KERNELS=0, the
-    switch scheduler_proc/kernels reads too)?"""
-    return os.environ.get("ZSERVE_CPU_KERNELS", "1") != "0" and AVX2_FLAGS <= cpu_flags()
+    """Can this CPU run the AVX2 kernels, and are they switched on?"""
+    return kernels_switched_on() and AVX2_FLAGS <= cpu_flags()

@@ -59,6 +59,9 @@ def flag_type(annotation) -> type:
     return kinds[0]
 
 
+QUANTIZATIONS = ("none", "gguf", "int8")                 # what --quantization resolves to
+
+
 @dataclass(frozen=True, slots=True)
 class ServerArgs:
     """The flags as given (frozen). The model-dependent ones (model_path, tokenizer_path,
@@ -82,7 +85,7 @@ class ServerArgs:
                              "blocks on zserve's int8 kernels; int8 quantizes a float "
                              "checkpoint's linear layers to Q8_0 at load; none dequantizes "
                              "to --dtype. auto: gguf for a GGUF file where the CPU has AVX2, "
-                             "else none.", choices=["auto", "none", "gguf", "int8"])
+                             "else none.", choices=["auto", *QUANTIZATIONS])
     context_length: int | None = _opt(None, "Context length (default: the model's "
                                       "max_position_embeddings).")
     max_total_tokens: int | None = _opt(None, "KV pool size in tokens (default: from a "
@@ -213,6 +216,22 @@ def split_host_port(addr: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65535:
         _refuse(f"--dist-init-addr must be HOST:PORT (PORT < 65535), got {addr!r}")
     return host, int(port)
+
+
+def quantization_refusal(asked: str, is_gguf: bool, blocker: str | None) -> str | None:
+    """Why --quantization `asked` (one of QUANTIZATIONS) cannot apply, or None. blocker:
+    what keeps zserve's quantized kernels from running here (the device, tensor
+    parallelism, the CPU), None if nothing does. The launcher and the loader both ask."""
+    if asked == "gguf" and not is_gguf:
+        return ("--quantization gguf serves a GGUF file's own blocks, and the model is not a "
+                ".gguf file: use --quantization int8 to quantize it")
+    if asked == "int8" and is_gguf:
+        return ("--quantization int8 quantizes a float checkpoint: for a .gguf file use "
+                "--quantization gguf (its own blocks) or none")
+    if asked != "none" and blocker is not None:
+        return (f"--quantization {asked} runs on zserve's CPU kernels on one rank, not on "
+                f"{blocker}: use --quantization none")
+    return None
 
 
 AUTO_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}     # what --dtype auto means per device

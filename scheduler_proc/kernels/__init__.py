@@ -36,7 +36,7 @@ import tempfile
 import torch
 
 from checkpoints.tiny import default_cache_root
-from wire.cpu import AVX2_FLAGS, cpu_flags
+from wire.cpu import cpu_flags, kernels_switched_on, runs_avx2_kernels
 
 log = logging.getLogger(__name__)
 
@@ -122,14 +122,18 @@ def build_library(out_dir: pathlib.Path, cc: str) -> ctypes.CDLL | None:
 
 
 def available(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Can this device and dtype run on our kernels?"""
-    return (torch.device(device).type == "cpu" and dtype in CPU_FLAGS
-            and os.environ.get("ZSERVE_CPU_KERNELS", "1") != "0"
+    """Can this device and dtype run on our AVX-512 kernels?"""
+    return (torch.device(device).type == "cpu" and dtype in CPU_FLAGS and kernels_switched_on()
             and CPU_FLAGS[dtype] <= cpu_flags() and library() is not None)
 
 
 def avx2_available(device: torch.device | str) -> bool:
-    """Can this device run the AVX2 kernels (quant.c, zs_decode_attention_avx2)?"""
-    return (torch.device(device).type == "cpu"
-            and os.environ.get("ZSERVE_CPU_KERNELS", "1") != "0"
-            and AVX2_FLAGS <= cpu_flags() and library() is not None)
+    """Can this device run the AVX2 kernels (quant.c, and the *_avx2 functions)?"""
+    return (torch.device(device).type == "cpu" and runs_avx2_kernels()
+            and library() is not None)
+
+
+def linear_available(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Can linear layers of this dtype run on linear.c (AVX-512, or its AVX2 version for
+    float32 and bfloat16)?"""
+    return available(device, dtype) or (dtype in CPU_FLAGS and avx2_available(device))

@@ -135,6 +135,12 @@ INLINE TARGET void decode_task(const int bf16, const int nd, const void *q, cons
     }
 }
 
+/* A task is a row (all its KV heads: its K/V rows are read once), or for a batch too small
+ * to keep every thread busy, one KV head of a row: how many KV heads a task takes. */
+static int64_t kv_heads_per_task(int64_t B, int64_t Hkv) {
+    return B >= 4 * omp_get_max_threads() ? Hkv : 1;
+}
+
 #define TASK(bf16_, nd_) decode_task(bf16_, nd_, qb, kv, table + rows[b] * ctx, lens[b], H, \
                                     Hkv, g0, g1, scale, ob)
 #define TASKS(bf16_)                                                                    \
@@ -150,10 +156,7 @@ TARGET void zs_decode_attention(int bf16, const void *q, int64_t q_stride, const
                                 int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale,
                                 void *out) {
     const int64_t esz = bf16 ? 2 : 4;
-    /* A task is a row (all its KV heads: its K/V rows are read once), or for a batch too
-     * small to keep every thread busy, one KV head of a row. */
-    const int64_t per_task = B >= 4 * omp_get_max_threads() ? Hkv : 1;
-    const int64_t tasks_per_row = Hkv / per_task;
+    const int64_t per_task = kv_heads_per_task(B, Hkv), tasks_per_row = Hkv / per_task;
     /* dtype and head size are picked inside the loop: OpenMP outlines the loop body before
      * inlining, so only there do they become constants of each decode_task copy. */
 #pragma omp parallel for schedule(dynamic, 1)
@@ -263,8 +266,7 @@ TARGET_AVX2 void zs_decode_attention_avx2(const float *q, int64_t q_stride, cons
                                           const int64_t *rows, const int64_t *lens, int64_t B,
                                           int64_t H, int64_t Hkv, int64_t D, float scale,
                                           float *out) {
-    const int64_t per_task = B >= 4 * omp_get_max_threads() ? Hkv : 1;
-    const int64_t tasks_per_row = Hkv / per_task;
+    const int64_t per_task = kv_heads_per_task(B, Hkv), tasks_per_row = Hkv / per_task;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t task = 0; task < B * tasks_per_row; task++) {
         const int64_t b = task / tasks_per_row;

@@ -37,8 +37,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
+
 #define QTARGET __attribute__((target("avx2,fma,f16c")))
-#define QINLINE static inline __attribute__((always_inline))
 
 #define QK 32   /* weights per block */
 #define MR 4    /* rows of x per tile */
@@ -46,7 +47,7 @@
 
 enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8 };   /* gguf.GGMLQuantizationType */
 
-QINLINE QTARGET float fp16(const uint8_t *p) {
+INLINE QTARGET float fp16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return _cvtsh_ss(h);
@@ -55,7 +56,7 @@ QINLINE QTARGET float fp16(const uint8_t *p) {
 /* ---- x -> int8 blocks ----------------------------------------------------------------- */
 
 /* One row: xq[K], dx[K/32] (the scales), sx[K/32] = dx * sum(xq) (for the offset terms). */
-QINLINE QTARGET void quantize_row(const float *x, int64_t nb, int8_t *xq, float *dx,
+INLINE QTARGET void quantize_row(const float *x, int64_t nb, int8_t *xq, float *dx,
                                   float *sx) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < nb; b++) {
@@ -97,14 +98,14 @@ QINLINE QTARGET void quantize_row(const float *x, int64_t nb, int8_t *xq, float 
 /* w: the group's blocks; xq, dx, sx: the tile's first row of x (rows K, nb and nb apart);
  * out: the 8 outputs of each of the mr rows. */
 
-QINLINE QTARGET __m256i bcast4(const int8_t *p) {     /* 4 bytes of x into every int32 lane */
+INLINE QTARGET __m256i bcast4(const int8_t *p) {     /* 4 bytes of x into every int32 lane */
     int32_t v;
     memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
 }
 
 /* Q4_0 (offset -8 * d) and Q4_1 (offset m): `q4_1` is a compile-time constant. */
-QINLINE QTARGET void tile_q4(const int q4_1, TILE_PARAMS) {
+INLINE QTARGET void tile_q4(const int q4_1, TILE_PARAMS) {
     const int64_t bsize = q4_1 ? 160 : 144;
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[MR];
@@ -139,7 +140,7 @@ QINLINE QTARGET void tile_q4(const int q4_1, TILE_PARAMS) {
     for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
 }
 
-QINLINE QTARGET void tile_q8_0(TILE_PARAMS) {
+INLINE QTARGET void tile_q8_0(TILE_PARAMS) {
     (void)sx;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MR];

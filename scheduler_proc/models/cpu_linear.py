@@ -35,8 +35,7 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 class CpuLinear(nn.Module):
-    """Only where kernels.available(cpu, weight.dtype), or (the AVX2 kernel) where
-    kernels.avx2_available(cpu) for float32 and bfloat16."""
+    """Only where kernels.linear_available(cpu, weight.dtype)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -46,10 +45,11 @@ class CpuLinear(nn.Module):
                                                            requires_grad=False)
         self.dtype = weight.dtype               # of x, y and the bias
         lib = kernels.library()
-        if kernels.available("cpu", weight.dtype):
+        self.avx512 = kernels.available("cpu", weight.dtype)   # else linear.c's AVX2 version
+        if self.avx512:
             self._kernel = (lib.zs_linear_f32 if weight.dtype == torch.float32
                             else lib.zs_linear_bf16)
-        else:                                   # the AVX2 version of the same panels
+        else:
             self._kernel = functools.partial(lib.zs_linear_avx2,
                                              int(weight.dtype == torch.bfloat16))
 

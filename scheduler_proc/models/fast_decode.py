@@ -43,7 +43,7 @@ class _Model(ctypes.Structure):
                 ("avx512", _i64), ("cos_sin", _p), ("layer", ctypes.POINTER(_Layer))]
 
 
-def _linear(module, avx512: bool) -> _Linear | None:
+def _linear(module) -> _Linear | None:
     """decode.c's description of a linear layer, or None if it cannot run there."""
     if isinstance(module, QuantLinear):
         bias = module.bias
@@ -52,7 +52,7 @@ def _linear(module, avx512: bool) -> _Linear | None:
         return _Linear(module._type_id, module.blocks.data_ptr(),
                        None if bias is None else bias.data_ptr())
     if isinstance(module, CpuLinear) and module.dtype == torch.float32:
-        return _Linear(-1 if avx512 else 0, module.weight.data_ptr(),
+        return _Linear(-1 if module.avx512 else 0, module.weight.data_ptr(),
                        None if module.bias is None else module.bias.data_ptr())
     return None
 
@@ -84,13 +84,12 @@ class FastDecode:
         layers = (_Layer * c.num_layers)()
         keep = []
         for i, layer in enumerate(model.layers):
-            parts = [_linear(m, avx512) for m in (layer.self_attn.qkv_proj,
-                                                 layer.self_attn.o_proj,
-                                                 layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                       layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            parts = [_linear(m) for m in linears]
             if any(p is None for p in parts):
                 return None
-            keep.extend((layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                         layer.mlp.gate_up_proj, layer.mlp.down_proj))
+            keep.extend(linears)
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             if any(w.dtype != dtype or not w.is_contiguous() for w in norms):
                 return None

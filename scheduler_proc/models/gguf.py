@@ -421,19 +421,13 @@ def _unpermute_rows(rows, heads: int, head_dim: int):
     return rows.reshape(heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(rows.shape)
 
 
-# The block types kernels/quant.c runs on (models/quant_linear.py: QuantLinear).
-NATIVE_TYPES = tuple(BLOCK_TYPES)
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj",
             "lm_head")
 
 
-def native_linears(header: GGUFHeader, config) -> dict[str, tuple[str, np.ndarray, list[str]]]:
-    """For --quantization gguf (one rank): our linear module -> (its ggml type, its weight as
-    the file's own blocks, uint8 [out_features, bytes per row], the GGUF tensors read), for
-    each linear layer whose GGUF parts all have one type of NATIVE_TYPES; the others are
-    dequantized as usual. Fused parts are stacked in the parameter's row order and llama's
-    q/k rows un-permuted. A tied LM head takes token_embd's blocks (the embedding itself is
-    still dequantized for its lookups)."""
+def _linear_parts(config) -> dict[str, list[str]]:
+    """Our linear module -> its GGUF weight tensors, in the parameter's row order. A tied
+    LM head reads token_embd."""
     groups: dict[str, list[tuple[str, slice]]] = {}
     for key, (param, rows, _) in parameter_targets(config).items():
         module, _, kind = param.rpartition(".")
@@ -441,20 +435,41 @@ def native_linears(header: GGUFHeader, config) -> dict[str, tuple[str, np.ndarra
             groups.setdefault(module, []).append((key, rows))
     if config.tie_word_embeddings:
         groups["lm_head"] = [("token_embd.weight", slice(None))]
-    unpermute = _permuted_heads(config)
-    found = {}
-    for module, parts in groups.items():
-        infos = [header.tensors.get(key) for key, _ in parts]
+    return {module: [key for key, rows in sorted(parts, key=lambda p: p[1].start or 0)]
+            for module, parts in groups.items()}
+
+
+def linear_types(header: GGUFHeader, config) -> dict[str, tuple[set[str], bool]]:
+    """Our linear module -> (its GGUF parts' tensor types, whether --quantization gguf
+    keeps it in its blocks: all parts there and of one type QuantLinear runs on)."""
+    out = {}
+    for module, keys in _linear_parts(config).items():
+        infos = [header.tensors.get(key) for key in keys]
         types = {info.type_name for info in infos if info is not None}
-        if None in infos or len(types) != 1 or not types <= set(NATIVE_TYPES):
+        kept = None not in infos and len(types) == 1 and types <= BLOCK_TYPES.keys()
+        out[module] = types, kept
+    return out
+
+
+def native_linears(header: GGUFHeader, config) -> dict[str, tuple[str, np.ndarray, list[str]]]:
+    """For --quantization gguf (one rank): our linear module -> (its ggml type, its weight as
+    the file's own blocks, uint8 [out_features, bytes per row], the GGUF tensors read), for
+    each linear layer linear_types keeps; the others are dequantized as usual. Fused parts
+    are stacked in the parameter's row order and llama's q/k rows un-permuted. A tied LM
+    head takes token_embd's blocks (the embedding itself is still dequantized for its
+    lookups)."""
+    unpermute = _permuted_heads(config)
+    parts = _linear_parts(config)
+    found = {}
+    for module, (types, kept) in linear_types(header, config).items():
+        if not kept:
             continue
-        parts.sort(key=lambda part: part[1].start or 0)
         blocks = []
-        for key, _ in parts:
+        for key in parts[module]:
             raw = header.raw(header.tensors[key])
             blocks.append(_unpermute_rows(raw, unpermute[key], config.head_dim)
                           if key in unpermute else raw)
-        found[module] = (types.pop(), np.concatenate(blocks), [key for key, _ in parts])
+        found[module] = (next(iter(types)), np.concatenate(blocks), parts[module])
     return found
 
 

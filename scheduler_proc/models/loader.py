@@ -41,7 +41,8 @@ from scheduler_proc.tp import SOLO
 from .cpu_linear import CpuLinear
 from .fast_decode import FastDecode
 from .packed import PackedLinear, can_pack
-from .quant_linear import QuantLinear, quantize_q8_0
+from .quant_linear import BLOCK_TYPES, QuantLinear, quantize_q8_0
+from wire.server_args import QUANTIZATIONS, quantization_refusal
 from .tp import VOCAB_PARTS, Selection, Shard
 
 log = logging.getLogger(__name__)
@@ -55,9 +56,6 @@ _FUSED = {
 # A checkpoint tensor's destination: our parameter, the rows of it the tensor fills, and
 # which part of the tensor this rank takes (None: all of it).
 Target = tuple[str, slice, Selection | None]
-
-
-QUANTIZATIONS = ("none", "gguf", "int8")
 
 
 def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.device,
@@ -114,20 +112,12 @@ def _check_quantization(quantization: str, is_gguf: bool, device: torch.device, 
     """A ValueError (one line for the user) if `quantization` cannot apply here."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    if quantization == "none":
-        return
-    if quantization == "gguf" and not is_gguf:
-        raise ValueError("quantization gguf serves a GGUF file's own quantized blocks: the "
-                         "model is not a GGUF file (use int8 to quantize a float checkpoint)")
-    if quantization == "int8" and is_gguf:
-        raise ValueError("quantization int8 quantizes a float checkpoint: for a GGUF file use "
-                         "gguf (its own blocks) or none")
-    if tp.size > 1:
-        raise ValueError(f"quantization {quantization} runs on one rank only, not under "
-                         f"tensor parallelism")
-    if not kernels.avx2_available(device):
-        raise ValueError(f"quantization {quantization} needs zserve's quantized CPU kernels: "
-                         f"a CPU with AVX2, FMA and F16C and a C compiler (device {device})")
+    blocker = (f"device {device}" if device.type != "cpu" else
+               "tensor parallelism" if tp.size > 1 else
+               None if kernels.avx2_available(device) else
+               "this CPU or compiler (the kernels need AVX2, FMA, F16C and a C compiler)")
+    if (problem := quantization_refusal(quantization, is_gguf, blocker)) is not None:
+        raise ValueError(problem)
 
 
 def _keep_gguf_blocks(model: CausalLM, header) -> frozenset[str]:
@@ -158,9 +148,9 @@ def _keep_gguf_blocks(model: CausalLM, header) -> frozenset[str]:
         log.info("quantization gguf: %d of %d linear layers kept in their blocks (%s)",
                  sum(kept.values()), total, ", ".join(f"{n} {t}" for t, n in kept.items()))
     else:
-        log.warning("quantization gguf: none of %s's linear layers is Q8_0, Q4_0 or Q4_1; "
-                    "all are dequantized (this file needs --quantization none's memory)",
-                    header.path.name)
+        log.warning("quantization gguf: none of %s's linear layers is of a block type "
+                    "zserve runs on (%s); all are dequantized (this file needs "
+                    "--quantization none's memory)", header.path.name, ", ".join(BLOCK_TYPES))
     return frozenset(used)
 
 
@@ -234,8 +224,7 @@ def _load_safetensors(model_dir: Path, config: ModelConfig, params: dict[str, to
 
 def _cpu_linear_class(device: torch.device, dtype: torch.dtype) -> type[nn.Module] | None:
     """The fastest linear layer for this device and dtype: ours, else oneDNN's, else None."""
-    if kernels.available(device, dtype) or (dtype in (torch.float32, torch.bfloat16)
-                                             and kernels.avx2_available(device)):
+    if kernels.linear_available(device, dtype):
         return CpuLinear
     return PackedLinear if can_pack(device, dtype) else None
 
