@@ -4,6 +4,10 @@
   `--read-timeout` seconds of its first byte (or of connecting), else it is closed. uvicorn
   only times out idle keep-alive connections, so 500 clients sending half a header line
   would otherwise hold 500 sockets forever. (The body's own timeout is in boundary.py.)
+- Keep-alive: an idle connection stays open `--keep-alive-timeout` seconds (uvicorn's
+  default is 5 s). Clients drop their idle connections after their own limit (httpx 5 s,
+  aiohttp 15 s); a server that closes first races with the request the client sends on
+  the connection at that moment, which then fails with a reset and no answer.
 - Shutdown deadline: on SIGTERM/SIGINT uvicorn stops accepting and waits for in-flight
   requests; after `--shutdown-timeout` seconds the dispatcher ends whatever is still
   running with a 503 (streams get an error event and `data: [DONE]`), so every client gets
@@ -18,6 +22,8 @@ from typing import Callable
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from wire.server_args import ServerArgs
 
 SHUTDOWN_GRACE = 5.0    # seconds past --shutdown-timeout for the 503s to be written
 
@@ -88,9 +94,11 @@ class Server(uvicorn.Server):
             deadline.cancel()
 
 
-def make_server(app, host: str, port: int, log_level: str, read_timeout: float,
-                shutdown_timeout: float, on_deadline: Callable[[], None]) -> Server:
-    config = uvicorn.Config(app, host=host, port=port, loop="uvloop", log_level=log_level,
-                            access_log=False, http=header_timeout_protocol(read_timeout),
-                            timeout_graceful_shutdown=int(shutdown_timeout + SHUTDOWN_GRACE))
-    return Server(config, shutdown_timeout, on_deadline)
+def make_server(app, args: ServerArgs, on_deadline: Callable[[], None]) -> Server:
+    config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop",
+                            log_level=args.log_level, access_log=False,
+                            http=header_timeout_protocol(args.read_timeout),
+                            timeout_keep_alive=args.keep_alive_timeout,
+                            timeout_graceful_shutdown=int(args.shutdown_timeout +
+                                                          SHUTDOWN_GRACE))
+    return Server(config, args.shutdown_timeout, on_deadline)

@@ -18,6 +18,7 @@ from tests.server import Server, serving, wait_idle, wait_until
 pytestmark = pytest.mark.e2e
 
 READ_TIMEOUT = 1.0
+KEEP_ALIVE = 2.0        # uvicorn's own default is 5 s
 LONG = {"max_new_tokens": 480, "ignore_eos": True}     # cannot finish before it is observed
 
 
@@ -25,6 +26,7 @@ LONG = {"max_new_tokens": 480, "ignore_eos": True}     # cannot finish before it
 def server(tiny_model, tmp_path_factory):
     with serving(tiny_model("llama"), "--max-request-bytes", "4096", "--read-timeout",
                  str(READ_TIMEOUT), "--send-timeout", "1",
+                 "--keep-alive-timeout", str(KEEP_ALIVE),
                  tmpdir=tmp_path_factory.mktemp("srv")) as s:
         yield s
 
@@ -95,6 +97,20 @@ def test_keep_alive_connection_serves_after_a_slow_start(server):
             assert c.post("/generate", json={"text": "a", "sampling_params": {
                 "max_new_tokens": 1}}).status_code == 200
             time.sleep(READ_TIMEOUT * 1.5)     # idle keep-alive is not a slow header
+
+
+def test_idle_keep_alive_lasts_keep_alive_timeout(server):
+    """An idle connection is served again until --keep-alive-timeout, then closed."""
+    sock = raw_connection(server)
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    for idle in (0.0, KEEP_ALIVE / 2):
+        time.sleep(idle)
+        sock.sendall(request)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200"), idle
+    t0 = time.monotonic()
+    assert closed_by_server(sock)
+    assert KEEP_ALIVE * 0.9 < time.monotonic() - t0 < KEEP_ALIVE + 2.5
+    sock.close()
 
 
 @pytest.mark.parametrize("raw", [

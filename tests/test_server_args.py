@@ -9,6 +9,7 @@ import json
 import multiprocessing
 import shutil
 
+import httpx
 import pytest
 
 from detokenizer_proc.process import make_detokenizer
@@ -66,6 +67,7 @@ def test_flag_types_come_from_type_objects():
                                   ["--tokenizer-worker-num", "1.5"],
                                   ["--dp-size", "0"], ["--tp-size", "0"],
                                   ["--api-server-count", "0"],
+                                  ["--keep-alive-timeout", "0"],
                                   ["--load-balance-method", "random"],
                                   ["--node-rank", "2", "--nnodes", "2"],
                                   ["--nnodes", "2", "--tp-size", "2"],
@@ -79,6 +81,13 @@ def test_bad_values_are_refused(argv, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("zserve: ") and len(err.strip().splitlines()) == 1, err
+
+
+def test_idle_connections_outlast_the_clients_own_idle_limit():
+    """A client reuses an idle connection until its own expiry; a server that closes first
+    can close it under a request just sent (a reset, no answer: CI saw this from httpx)."""
+    assert ServerArgs().keep_alive_timeout > httpx.Limits().keepalive_expiry + 10
+    assert ServerArgs().keep_alive_timeout > 15 + 10           # aiohttp's keepalive_timeout
 
 
 def test_tokenizer_worker_num_defaults_to_one_and_must_be_at_least_one(capsys):

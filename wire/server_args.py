@@ -139,6 +139,10 @@ class ServerArgs:
                                   "ones get 413 before they are parsed.")
     read_timeout: float = _opt(30.0, "Seconds a client may take to send a request's headers, "
                                "and then its body.")
+    keep_alive_timeout: float = _opt(75.0, "Seconds an idle keep-alive connection stays "
+                                     "open. Longer than clients' own idle limits (httpx "
+                                     "5 s, aiohttp 15 s), so that a client never sends a "
+                                     "request on a connection the server is closing.")
     send_timeout: float = _opt(60.0, "Seconds a stream may wait on a client that does not "
                                "read before the request is aborted.")
     max_queued_requests: int | None = _opt(None, "Most requests waiting to run; more are "
@@ -183,7 +187,7 @@ class ServerArgs:
         for name in ("port", "max_running_requests", "chunked_prefill_size",
                      "tokenizer_worker_num", "api_server_count", "dp_size", "tp_size",
                      "nnodes", "dist_timeout", "max_request_bytes", "read_timeout",
-                     "send_timeout", "watchdog_timeout"):
+                     "keep_alive_timeout", "send_timeout", "watchdog_timeout"):
             if not getattr(self, name) > 0 or getattr(self, name) == float("inf"):
                 _refuse(f"--{name.replace('_', '-')} must be positive")
         for name in ("max_queued_requests", "request_timeout", "context_length"):
