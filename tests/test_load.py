@@ -23,6 +23,7 @@ CONTEXT = 512        # the tiny checkpoints' context length
 POOL = 600           # KV slots: ~15 of the requests below at once, against 64 concurrent
 NUM_PROMPTS = 32
 MAX_NEW = 24
+LONG_NEW = 400       # two of these at once outgrow the pool (2 x 400 > POOL) by themselves
 TOKENS = (10, 700)   # prompt ids valid for the tiny tokenizer's 754-token vocabulary
 
 
@@ -57,6 +58,20 @@ def solos(server) -> list[Solo]:
         out.append(Solo(prompt, r["output_ids"], [t[0][0] - t[1][0] for t in top]))
         assert len(out[-1].ids) == MAX_NEW
     return out
+
+
+@pytest.fixture(scope="module")
+def long_solo(server, solos) -> Solo:
+    """One seeded prompt run alone for LONG_NEW tokens. After it and the solos (over a
+    thousand steps alone) the scheduler's estimate of what a request will still need is at
+    its floor, so two of these are admitted together, and together they must be retracted."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(*TOKENS) for _ in range(16)]
+    r = server.generate_ok(input_ids=prompt, return_logprob=True, top_logprobs_num=2,
+                           sampling_params=greedy(LONG_NEW))
+    top = r["meta_info"]["output_top_logprobs"]
+    assert len(r["output_ids"]) == LONG_NEW
+    return Solo(prompt, r["output_ids"], [t[0][0] - t[1][0] for t in top])
 
 
 def greedy(max_new: int) -> dict:
@@ -110,9 +125,10 @@ async def run_normal(client, solo: Solo, max_new: int, streaming: bool) -> None:
     solo.check(out["output_ids"], max_new)
 
 
-def test_200_requests_at_concurrency_64_retract_and_match_solo(server, solos):
-    """Acceptance check 2: 64 clients share 200 requests on a pool that holds ~15 of them:
-    the scheduler must retract, and every output still equals its solo greedy output."""
+def test_200_requests_at_concurrency_64_retract_and_match_solo(server, solos, long_solo):
+    """Acceptance check 2: 64 clients share 200 requests on a pool that holds ~15 of them,
+    while two requests that outgrow the pool together run: the scheduler must retract, and
+    every output still equals its solo greedy output."""
     before = wait_idle(server)
     rng = random.Random(3)
     jobs = [(solos[i % NUM_PROMPTS], rng.choice((12, 16, 20, MAX_NEW, MAX_NEW)),
@@ -121,20 +137,26 @@ def test_200_requests_at_concurrency_64_retract_and_match_solo(server, solos):
 
     async def main():
         queue = list(jobs)
-        async with async_client(server, 64) as client:
+        async with async_client(server, 66) as client:
             async def worker():
                 while queue:
                     solo, max_new, streaming = queue.pop()
                     await run_normal(client, solo, max_new, streaming)
                     done.append(max_new)
-            await asyncio.gather(*(worker() for _ in range(64)))
+            longs = [asyncio.ensure_future(run_normal(client, long_solo, LONG_NEW, False))
+                     for _ in range(2)]
+            while (await client.get("/server_info")).json()["running_requests"] < 2:
+                assert not any(t.done() for t in longs), "a long request ended before both ran"
+                await asyncio.sleep(0.05)
+            await asyncio.gather(*longs, *(worker() for _ in range(64)))
     asyncio.run(main())
 
     assert len(done) == 200
     info = wait_idle(server)
     assert info["retracted_total"] > before["retracted_total"], \
         "the pool was never short: the test did not exercise retraction"
-    assert info["generated_tokens_total"] - before["generated_tokens_total"] >= sum(done)
+    assert info["generated_tokens_total"] - before["generated_tokens_total"] >= \
+        sum(done) + 2 * LONG_NEW
     assert_pool_idle(info)
 
 
