@@ -41,7 +41,7 @@ generating exactly output_len tokens (greedy, EOS ignored).
   the last), so a wait for a free slot is not in them (there is none with a slot per prompt).
 - --rounds R: zserve (each --compare-configs entry in turn), then llama-server, R times,
   alternating. Each server is launched for its turn and stopped after it, so only one is up
-  at a time; a launched llama-server never outlives this process (stopped in a finally, and
+  at a time; no launched server (zserve or llama-server) outlives this process (stopped in a finally, and
   on Linux sent SIGTERM by the kernel if this process dies first; SIGTERM to this process
   runs the same cleanup). The table gives every round and, for R > 1, the median of each
   column; "zserve/llama.cpp" is printed per mode as the ratio of the median tok/s, with the
@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import dataclasses
 import json
 import os
@@ -94,7 +93,7 @@ import httpx
 import psutil
 
 from bench.table import text_table
-from tests.server import Server, free_port   # the harness for launching zserve as a subprocess
+from tests.server import Server, die_with_parent, free_port   # the e2e tests' harness
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TOKEN_LOW, TOKEN_HIGH = 10, 700     # valid for the tiny tokenizer (754 tokens) too
@@ -287,16 +286,6 @@ def _check(resp: httpx.Response, output_len: int) -> dict:
 # llama.cpp
 
 
-def _die_with_parent_fn():
-    """A preexec_fn that has the kernel SIGTERM the child when this process dies, even by
-    SIGKILL (Linux's PR_SET_PDEATHSIG), or None elsewhere. prctl is looked up here, in the
-    parent: the child only calls it."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    return lambda: prctl(1, signal.SIGTERM)     # 1: PR_SET_PDEATHSIG
-
-
 class LlamaServer:
     """llama.cpp's llama-server as a subprocess on a free port, up for one turn.
 
@@ -315,7 +304,7 @@ class LlamaServer:
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=_die_with_parent_fn())
+                                         preexec_fn=die_with_parent())
         try:
             self._wait_healthy(timeout)
         except BaseException:
@@ -387,7 +376,7 @@ def run_llama_bench(binary: str, model: str, threads: int, n_gen: int = 128,
            "-r", str(reps), "-o", "json"]
     print(f"# llama-bench: {shlex.join(cmd)}", file=sys.stderr)
     done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          preexec_fn=_die_with_parent_fn())
+                          preexec_fn=die_with_parent())
     if done.returncode != 0:
         raise RuntimeError(f"llama-bench exited with {done.returncode}:\n{done.stderr[-2000:]}")
     row = next(r for r in json.loads(done.stdout) if r["n_prompt"] == 0 and r["n_gen"] == n_gen)

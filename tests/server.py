@@ -6,6 +6,7 @@ Nothing is mocked: tests talk HTTP to it and signal its processes.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -20,6 +21,17 @@ import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT = 180.0
+
+
+def die_with_parent():
+    """A preexec_fn that has the kernel SIGTERM the child when the thread that started it
+    dies, even by SIGKILL (Linux's PR_SET_PDEATHSIG), or None elsewhere. prctl is looked up
+    here, in the parent: the child only calls it. (Start children from the main thread:
+    the signal follows the starting thread, not the process.)"""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(1, signal.SIGTERM)     # 1: PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -48,7 +60,8 @@ class Server:
             [sys.executable, str(REPO / "launch.py"), *model_args,
              "--port", str(self.port), "--log-level", "warning", *extra],
             cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-            start_new_session=True)     # its own process group, as under a shell's job control
+            start_new_session=True,     # its own process group, as under a shell's job control
+            preexec_fn=die_with_parent())   # a killed test run or bench leaves no server
         self.client = httpx.Client(base_url=self.url, timeout=120.0)
         try:
             self._wait_healthy()

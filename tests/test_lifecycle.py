@@ -2,20 +2,24 @@
 
 A child killed with SIGKILL fails the requests in flight with 503 and ends the launcher
 with a non-zero exit within 10 s, leaving no process;
-SIGTERM exits 0 and removes the ipc directory; an idle server uses (almost) no CPU.
+SIGTERM exits 0 and removes the ipc directory; an idle server uses (almost) no CPU; a
+harness (test run, benchmark) killed with SIGKILL leaves no server behind.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
 
-from tests.server import Server, wait_idle
+from tests.server import REPO, Server, wait_idle
 
 CHILDREN = ("tokenizer", "scheduler", "detokenizer")
 
@@ -152,6 +156,23 @@ def left_in_group(pgid: int) -> list[psutil.Process]:
         except (ProcessLookupError, psutil.NoSuchProcess):
             pass
     return left
+
+
+def test_a_killed_harness_leaves_no_server(tiny_model, tmp_path):
+    """A test run or benchmark killed with SIGKILL leaves no server behind: the kernel sends
+    the launcher SIGTERM (tests/server.die_with_parent), which takes its children down."""
+    code = (f"import json, time; from tests.server import Server; "
+            f"s = Server({str(tiny_model('llama'))!r}, tmpdir={str(tmp_path)!r}); "
+            f"print(json.dumps([s.proc.pid] + [c.pid for c in s.children]), flush=True); "
+            f"time.sleep(600)")
+    harness = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE)
+    try:
+        procs = [psutil.Process(pid) for pid in json.loads(harness.stdout.readline())]
+        assert len(procs) >= 1 + len(CHILDREN)
+    finally:
+        harness.kill()
+        harness.wait()
+    assert gone(procs, 30), [p.name() for p in procs if p.is_running()]
 
 
 def test_context_longer_than_the_model_is_refused_at_startup(tiny_model):
