@@ -41,9 +41,9 @@ generating exactly output_len tokens (greedy, EOS ignored).
   the last), so a wait for a free slot is not in them (there is none with a slot per prompt).
 - --rounds R: zserve (each --compare-configs entry in turn), then llama-server, R times,
   alternating. Each server is launched for its turn and stopped after it, so only one is up
-  at a time; no launched server (zserve or llama-server) outlives this process (stopped in a finally, and
-  on Linux sent SIGTERM by the kernel if this process dies first; SIGTERM to this process
-  runs the same cleanup). The table gives every round and, for R > 1, the median of each
+  at a time; no launched server (zserve or llama-server) outlives this process (stopped in
+  a finally, and on Linux sent SIGTERM by the kernel if this process dies first; SIGTERM
+  to this process runs the same cleanup). The table gives every round and, for R > 1, the median of each
   column; "zserve/llama.cpp" is printed per mode as the ratio of the median tok/s, with the
   per-round ratios.
 - --llama-bench BIN: `BIN -m FILE -t N -p 0 -n 128 -r 3 -o json` once after the rounds (no
