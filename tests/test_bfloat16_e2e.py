@@ -2,7 +2,9 @@
 kernels for linears, decode attention and the elementwise ops, where the CPU has them)
 decodes greedily like transformers in bfloat16, up to the reference's first near-tie.
 One family: the bf16 rounding of every family's layers is held to transformers in process
-(tests/test_model.py); this checks the served path.
+(tests/test_model.py); this checks the served path, twice: the tiny checkpoint (heads of
+16: attention on SDPA) and one with heads of 32, whose decode steps run on the attention
+kernel and every layer in one C call (models/fast_decode.py).
 
 bfloat16 keeps 8 bits of mantissa (logits near 30 are 0.125 apart) and two bf16 stacks
 round at different places (ours: float32 softmax and p.v; transformers' eager: bf16
@@ -20,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from checkpoints.tiny import build_tiny_checkpoint
 from tests.reference import assert_greedy_match, first_near_tie, greedy_reference
 from tests.server import serving
 
@@ -29,11 +32,16 @@ MAX_NEW = 16
 BF16_TIE = 1.0
 
 
-@pytest.fixture(scope="module", params=["llama"])
+@pytest.fixture(scope="module", params=["llama", "llama-heads-32"])
 def server(request, tiny_model, tmp_path_factory):
-    with serving(tiny_model(request.param), "--dtype", "bfloat16",
-                 tmpdir=tmp_path_factory.mktemp("srv")) as s:
-        s.model_dir = tiny_model(request.param)
+    if request.param == "llama":
+        model_dir = tiny_model("llama")
+    else:
+        model_dir = build_tiny_checkpoint(tmp_path_factory.mktemp("wide"), "llama",
+                                          hidden_size=128, num_attention_heads=4,
+                                          num_key_value_heads=2, intermediate_size=192)
+    with serving(model_dir, "--dtype", "bfloat16", tmpdir=tmp_path_factory.mktemp("srv")) as s:
+        s.model_dir = model_dir
         yield s
 
 

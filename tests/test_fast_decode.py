@@ -1,7 +1,7 @@
 """FastDecode (models/fast_decode.py, kernels/decode.c): a step of decode rows through every
 layer in one C call must give the module path's hidden state and KV pool bit for bit, for
-float32 panels (safetensors) and GGUF blocks, with and without biases, at batch 1 and in a
-batch; and it must stay out of the way where it does not apply."""
+float32 and bfloat16 panels (safetensors) and GGUF blocks, with and without biases, at
+batch 1 and in a batch; and it must stay out of the way where it does not apply."""
 
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ def both_paths(model, batch: int):
     results = []
     for fast in (model.fast, None):
         torch.manual_seed(0)
-        cache = KVCache(c.num_layers, 40 * batch, c.num_kv_heads, c.head_dim, torch.float32,
-                        "cpu")
+        cache = KVCache(c.num_layers, 40 * batch, c.num_kv_heads, c.head_dim,
+                        model.embed_tokens.weight.dtype, "cpu")
         for kv in cache.kv:
             kv.normal_()
         table = torch.arange(1, 40 * batch + 1).view(batch, 40)
@@ -71,16 +71,17 @@ def wide_heads(tmp_path_factory):
 
 
 @needs_kernels
-@pytest.mark.parametrize("family,qtype", [("llama", None), ("qwen2", None),
-                                          ("qwen2", "Q8_0"), ("llama", "Q4_1"),
-                                          ("llama", "Q4_0")])
+@pytest.mark.parametrize("family,qtype,dtype", [
+    ("llama", None, torch.float32), ("qwen2", None, torch.float32),
+    ("llama", None, torch.bfloat16), ("qwen2", None, torch.bfloat16),
+    ("qwen2", "Q8_0", torch.float32), ("llama", "Q4_1", torch.float32),
+    ("llama", "Q4_0", torch.float32)])
 @pytest.mark.parametrize("batch", [1, 5])
-def test_fast_path_equals_module_path(wide_heads, tmp_path, family, qtype, batch):
+def test_fast_path_equals_module_path(wide_heads, tmp_path, family, qtype, dtype, batch):
     path = wide_heads(family)
     if qtype is not None:
         path = write_gguf(path, tmp_path / "m.gguf", getattr(gguf.GGMLQuantizationType, qtype))
-    model = load_model(path, torch.float32, "cpu",
-                       quantization="none" if qtype is None else "gguf")
+    model = load_model(path, dtype, "cpu", quantization="none" if qtype is None else "gguf")
     layer_type = CpuLinear if qtype is None else QuantLinear
     assert isinstance(model.layers[0].self_attn.qkv_proj, layer_type)
     assert model.fast is not None
@@ -91,12 +92,13 @@ def test_fast_path_equals_module_path(wide_heads, tmp_path, family, qtype, batch
 
 
 def test_fast_path_stays_out_of_the_way(tiny_model, wide_heads):
-    """Qwen3 (per-head q/k norm), bfloat16 and unpacked layers take the module path; so
+    """Qwen3 (per-head q/k norm), float16 and unpacked layers take the module path; so
     does a step with a prefill segment (FastDecode.takes)."""
     assert load_model(tiny_model("qwen3"), torch.float32, "cpu").fast is None
     assert load_model(tiny_model("llama"), torch.float32, "cpu").fast is None   # heads of 16
-    assert load_model(wide_heads("llama"), torch.bfloat16, "cpu").fast is None
+    assert load_model(wide_heads("llama"), torch.float16, "cpu").fast is None
     assert load_model(wide_heads("llama"), torch.float32, "cpu", pack=False).fast is None
+    assert load_model(wide_heads("llama"), torch.bfloat16, "cpu", pack=False).fast is None
     model = load_model(wide_heads("llama"), torch.float32, "cpu")
     if model.fast is None:
         pytest.skip("no AVX2 kernels here")

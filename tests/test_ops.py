@@ -46,20 +46,21 @@ def test_rms_norm(monkeypatch, dtype, rows, dim):
     assert_same(y, y_ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [5, 8, 9, 31, 64, 100, 576, 1000, 1536, 4096, 5000])
-def test_avx2_float32_norm_is_torchs_bit_for_bit(monkeypatch, dim):
-    """Without AVX-512, float32 RMSNorm runs on a kernel that sums the squares in torch's
-    own order (elementwise.c), so it equals transformers' norm exactly, residual or not."""
+def test_avx2_norm_is_torchs_bit_for_bit(monkeypatch, dtype, dim):
+    """Without AVX-512, RMSNorm runs on a kernel that sums the squares in torch's own order
+    (elementwise.c) and rounds where torch rounds, so it equals transformers' norm exactly,
+    residual or not, in float32 and in bfloat16."""
     from scheduler_proc import kernels
-    if kernels.available("cpu", torch.float32):
+    if kernels.available("cpu", dtype):
         pytest.skip("the AVX-512 kernel runs here (equal to summation order only)")
     torch.manual_seed(dim)
-    x, r = torch.randn(6, dim) * 4, torch.randn(6, dim)
-    w = torch.randn(dim)
-    (y, h), (y_ref, h_ref) = both(monkeypatch, torch.float32,
-                                  lambda: ops.rms_norm(x, w, 1e-5, r))
+    x, r = torch.randn(6, dim, dtype=dtype) * 4, torch.randn(6, dim, dtype=dtype)
+    w = torch.randn(dim, dtype=dtype)
+    (y, h), (y_ref, h_ref) = both(monkeypatch, dtype, lambda: ops.rms_norm(x, w, 1e-5, r))
     assert torch.equal(y, y_ref) and torch.equal(h, h_ref)
-    ours, ref = both(monkeypatch, torch.float32, lambda: ops.rms_norm(x, w, 1e-5))
+    ours, ref = both(monkeypatch, dtype, lambda: ops.rms_norm(x, w, 1e-5))
     assert torch.equal(ours, ref)
 
 

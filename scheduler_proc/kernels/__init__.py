@@ -18,8 +18,8 @@ fall back to torch (oneDNN-packed linears, SDPA, plain elementwise ops).
 AVX2 versions (AVX2 + FMA + F16C: every x86-64 CPU since 2013) have their own check,
 `avx2_available(device)`: the quantized linear layers (where it is false, quantized
 weights are dequantized at load instead: --quantization, README "Quantized weights"), and
-for CPUs without AVX-512 the *_avx2 functions of linear.c (float32 and bfloat16),
-attention.c and elementwise.c (float32).
+for CPUs without AVX-512 the *_avx2 functions of linear.c, attention.c and elementwise.c
+(float32 and bfloat16).
 """
 
 from __future__ import annotations
@@ -59,10 +59,9 @@ SIGNATURES = {
     # (bf16, q, q row stride, kv, table, ctx, rows, lens, B, H, Hkv, D, scale, out)
     "zs_decode_attention": [_int, _p, _i64, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64,
                             _float, _p],
-    # the same, float32 only, AVX2: (q, q row stride, kv, table, ctx, rows, lens, B, H, Hkv,
-    # D, scale, out)
-    "zs_decode_attention_avx2": [_p, _i64, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64,
-                                 _float, _p],
+    # the same on AVX2, same arguments
+    "zs_decode_attention_avx2": [_int, _p, _i64, _p, _p, _i64, _p, _p, _i64, _i64, _i64,
+                                 _i64, _float, _p],
     # (model, M, x, r, positions, table, ctx, rows, lens, slots, y, qkv, att, gu, act) -> 0,
     # or -1: out of memory (decode.c)
     "zs_decode_layers": [_p, _i64, _p, _p, _p, _p, _i64, _p, _p, _p, _p, _p, _p, _p, _p],
@@ -74,10 +73,10 @@ SIGNATURES = {
     "zs_rope": [_int, _p, _i64, _i64, _i64, _i64, _p, _p],
     # (bf16, gate_up, M, I, y)
     "zs_silu_mul": [_int, _p, _i64, _i64, _p],
-    # the same three, float32 only, AVX2: without the bf16 flag
-    "zs_add_rms_norm_avx2": [_p, _p, _p, _p, _float, _i64, _i64, _p],
-    "zs_rope_avx2": [_p, _i64, _i64, _i64, _i64, _p, _p],
-    "zs_silu_mul_avx2": [_p, _i64, _i64, _p],
+    # the same three on AVX2, same arguments
+    "zs_add_rms_norm_avx2": [_int, _p, _p, _p, _p, _float, _i64, _i64, _p],
+    "zs_rope_avx2": [_int, _p, _i64, _i64, _i64, _i64, _p, _p],
+    "zs_silu_mul_avx2": [_int, _p, _i64, _i64, _p],
     # (ggml type, x, M, K, weight blocks, N, bias or NULL, y) -> 0, or -1: out of memory
     "zs_linear_quant": [_int, _p, _i64, _i64, _p, _i64, _p, _p],
 }

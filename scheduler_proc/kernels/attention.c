@@ -187,42 +187,45 @@ void zs_kv_write(int bf16, void *kv, const int64_t *slots, int64_t N, const void
     }
 }
 
-/* ---- AVX2 (float32 only): the same algorithm for CPUs without AVX-512 ------------------
- * 8 float32 lanes; K/V and q are float32. The same blocks, online softmax and task split
+/* ---- AVX2: the same algorithm for CPUs without AVX-512 ----------------------------------
+ * 8 float32 lanes; q, K/V and the output in float32 or bfloat16 (simd.h's load8 / store8),
+ * sums in float32, the output rounded once. The same blocks, online softmax and task split
  * as above; exp is simd.h's exp8. */
 
-/* decode_task for float32 on AVX2; nd = D / 8, a compile-time constant at each call. */
-INLINE TARGET_AVX2 void decode_task8(const int nd, const float *q, const float *kv,
-                                     const int64_t *slots, int64_t len, int64_t H,
-                                     int64_t Hkv, int64_t g0, int64_t g1, float scale,
-                                     float *out) {
-    const int64_t G = H / Hkv, D = nd * 8;
-    const int64_t row = 2 * Hkv * D;                         /* floats per slot */
+/* decode_task for AVX2; nd = D / 8 and bf16 are compile-time constants at each call. */
+INLINE TARGET_AVX2 void decode_task8(const int bf16, const int nd, const void *q,
+                                     const void *kv, const int64_t *slots, int64_t len,
+                                     int64_t H, int64_t Hkv, int64_t g0, int64_t g1,
+                                     float scale, void *out) {
+    const int64_t G = H / Hkv, D = nd * 8, esz = bf16 ? 2 : 4;
+    const int64_t row = 2 * Hkv * D * esz;                   /* bytes per slot */
+    const char *kvb = kv;
     float acc[MAX_HEADS][MAX_D], m[MAX_HEADS], l[MAX_HEADS], s[BLOCK + 8];
     for (int64_t h = g0 * G; h < g1 * G; h++) {
         memset(acc[h], 0, (size_t)D * sizeof(float));
         m[h] = -INFINITY;
         l[h] = 0.0f;
     }
-    prefetch_rows(kv, slots, len < BLOCK ? len : BLOCK, row * 4);
+    prefetch_rows(kv, slots, len < BLOCK ? len : BLOCK, row);
     for (int64_t t0 = 0; t0 < len; t0 += BLOCK) {
         const int64_t n = len - t0 < BLOCK ? len - t0 : BLOCK;
         const int64_t *blk = slots + t0;
         if (t0 + BLOCK < len)
             prefetch_rows(kv, blk + BLOCK, len - t0 - BLOCK < BLOCK ? len - t0 - BLOCK : BLOCK,
-                          row * 4);
+                          row);
         for (int64_t h = g0 * G; h < g1 * G; h++) {
             const int64_t g = h / G;
-            const float *kbase = kv + g * D, *vbase = kv + (Hkv + g) * D;
+            const char *kbase = kvb + g * D * esz, *vbase = kvb + (Hkv + g) * D * esz;
             __m256 qv[MAX_D / 8], a[MAX_D / 8];
             for (int d = 0; d < nd; d++)
-                qv[d] = _mm256_mul_ps(_mm256_loadu_ps(q + h * D + 8 * d), _mm256_set1_ps(scale));
+                qv[d] = _mm256_mul_ps(load8(bf16, (const char *)q + (h * D + 8 * d) * esz, 8),
+                                      _mm256_set1_ps(scale));
             float bm = m[h];
             for (int64_t t = 0; t < n; t++) {                 /* scores */
-                const float *k = kbase + blk[t] * row;
-                __m256 dot = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
+                const char *k = kbase + blk[t] * row;
+                __m256 dot = _mm256_mul_ps(qv[0], load8(bf16, k, 8));
                 for (int d = 1; d < nd; d++)
-                    dot = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(k + 8 * d), dot);
+                    dot = _mm256_fmadd_ps(qv[d], load8(bf16, k + 8 * d * esz, 8), dot);
                 s[t] = hsum8_ps(dot);
                 bm = s[t] > bm ? s[t] : bm;
             }
@@ -241,10 +244,10 @@ INLINE TARGET_AVX2 void decode_task8(const int nd, const float *q, const float *
             for (int d = 0; d < nd; d++)
                 a[d] = _mm256_mul_ps(_mm256_loadu_ps(acc[h] + 8 * d), _mm256_set1_ps(corr));
             for (int64_t t = 0; t < n; t++) {                 /* p v */
-                const float *v = vbase + blk[t] * row;
+                const char *v = vbase + blk[t] * row;
                 const __m256 p = _mm256_set1_ps(s[t]);
                 for (int d = 0; d < nd; d++)
-                    a[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * d), a[d]);
+                    a[d] = _mm256_fmadd_ps(p, load8(bf16, v + 8 * d * esz, 8), a[d]);
             }
             for (int d = 0; d < nd; d++) _mm256_storeu_ps(acc[h] + 8 * d, a[d]);
         }
@@ -252,30 +255,33 @@ INLINE TARGET_AVX2 void decode_task8(const int nd, const float *q, const float *
     for (int64_t h = g0 * G; h < g1 * G; h++) {
         const __m256 inv = _mm256_set1_ps(1.0f / l[h]);
         for (int d = 0; d < nd; d++)
-            _mm256_storeu_ps(out + h * D + 8 * d,
-                             _mm256_mul_ps(_mm256_loadu_ps(acc[h] + 8 * d), inv));
+            store8(bf16, (char *)out + (h * D + 8 * d) * esz, 8,
+                   _mm256_mul_ps(_mm256_loadu_ps(acc[h] + 8 * d), inv));
     }
 }
 
-#define TASK8(nd_) decode_task8(nd_, qb, (const float *)kv, table + rows[b] * ctx, lens[b], \
-                                H, Hkv, g0, g1, scale, ob)
+#define TASK8(bf16_, nd_) decode_task8(bf16_, nd_, qb, kv, table + rows[b] * ctx, lens[b], \
+                                       H, Hkv, g0, g1, scale, ob)
+#define TASKS8(bf16_)                                                                   \
+    switch (D) {                                                                        \
+    case 32: TASK8(bf16_, 4); break;   case 64: TASK8(bf16_, 8); break;                 \
+    case 128: TASK8(bf16_, 16); break; case 256: TASK8(bf16_, 32); break;              \
+    }
 
-/* zs_decode_attention's arguments, float32 only (no bf16 flag). */
-TARGET_AVX2 void zs_decode_attention_avx2(const float *q, int64_t q_stride, const void *kv,
-                                          const int64_t *table, int64_t ctx,
+/* zs_decode_attention's arguments. */
+TARGET_AVX2 void zs_decode_attention_avx2(int bf16, const void *q, int64_t q_stride,
+                                          const void *kv, const int64_t *table, int64_t ctx,
                                           const int64_t *rows, const int64_t *lens, int64_t B,
                                           int64_t H, int64_t Hkv, int64_t D, float scale,
-                                          float *out) {
+                                          void *out) {
     const int64_t per_task = kv_heads_per_task(B, Hkv), tasks_per_row = Hkv / per_task;
+    const int64_t esz = bf16 ? 2 : 4;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t task = 0; task < B * tasks_per_row; task++) {
         const int64_t b = task / tasks_per_row;
         const int64_t g0 = task % tasks_per_row * per_task, g1 = g0 + per_task;
-        const float *qb = q + b * q_stride;
-        float *ob = out + b * H * D;
-        switch (D) {
-        case 32: TASK8(4); break;   case 64: TASK8(8); break;
-        case 128: TASK8(16); break; case 256: TASK8(32); break;
-        }
+        const char *qb = (const char *)q + b * q_stride * esz;
+        char *ob = (char *)out + b * H * D * esz;
+        if (bf16) { TASKS8(1) } else { TASKS8(0) }
     }
 }

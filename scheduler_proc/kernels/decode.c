@@ -1,5 +1,5 @@
 /* zserve decode step driver: every decoder layer of a step whose rows are all decode rows,
- * in one call, for float32 models whose layers all run on zserve's kernels.
+ * in one call, for float32 and bfloat16 models whose layers all run on zserve's kernels.
  *
  * The same kernels, in the same order, on the same buffers as the model's Python path
  * (models/llama.py through ops.py, attention.py and the linear modules), so the results
@@ -12,7 +12,8 @@
  *   qkv = y Wqkv^T (+ b); RoPE on q and k in place; K/V into their slots
  *   o = attention(q, the row's cached K/V) Wo^T (+ b)
  *   y = norm(o + r) (r = o + r); x = silu_mul(y Wgu^T (+ b)) Wdown^T (+ b)
- * and at the end x = x + r (the hidden state compute_logits normalizes).
+ * and at the end x = x + r (the hidden state compute_logits normalizes). Buffers hold the
+ * model dtype; each kernel rounds where the module path's does.
  */
 #include <stdint.h>
 #include <string.h>
@@ -20,41 +21,43 @@
 /* The kernels of the other files (compiled into the same library). */
 void zs_linear_f32(const float *x, int64_t M, int64_t K, const float *p, int64_t N,
                    const float *bias, float *y);
+void zs_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *p, int64_t N,
+                    const uint16_t *bias, uint16_t *y);
 void zs_linear_avx2(int bf16, const void *x, int64_t M, int64_t K, const void *p, int64_t N,
                     const void *bias, void *y);
 int zs_linear_quant(int type, const float *x, int64_t M, int64_t K, const uint8_t *w,
                     int64_t N, const float *bias, float *y);
 void zs_add_rms_norm(int bf16, const void *x, const void *r, void *h, const void *w,
                      float eps, int64_t M, int64_t D, void *y);
-void zs_add_rms_norm_avx2(const float *x, const float *r, float *h, const float *w,
-                          float eps, int64_t M, int64_t D, float *y);
+void zs_add_rms_norm_avx2(int bf16, const void *x, const void *r, void *h, const void *w,
+                          float eps, int64_t M, int64_t D, void *y);
 void zs_rope(int bf16, void *x, int64_t M, int64_t stride, int64_t heads, int64_t D,
              const void *cos_sin, const int64_t *pos);
-void zs_rope_avx2(float *x, int64_t M, int64_t stride, int64_t heads, int64_t D,
-                  const float *cos_sin, const int64_t *pos);
+void zs_rope_avx2(int bf16, void *x, int64_t M, int64_t stride, int64_t heads, int64_t D,
+                  const void *cos_sin, const int64_t *pos);
 void zs_silu_mul(int bf16, const void *gu, int64_t M, int64_t I, void *y);
-void zs_silu_mul_avx2(const float *gu, int64_t M, int64_t I, float *y);
+void zs_silu_mul_avx2(int bf16, const void *gu, int64_t M, int64_t I, void *y);
 void zs_kv_write(int bf16, void *kv, const int64_t *slots, int64_t N, const void *k,
                  const void *v, int64_t stride, int64_t HkvD);
 void zs_decode_attention(int bf16, const void *q, int64_t q_stride, const void *kv,
                          const int64_t *table, int64_t ctx, const int64_t *rows,
                          const int64_t *lens, int64_t B, int64_t H, int64_t Hkv, int64_t D,
                          float scale, void *out);
-void zs_decode_attention_avx2(const float *q, int64_t q_stride, const void *kv,
+void zs_decode_attention_avx2(int bf16, const void *q, int64_t q_stride, const void *kv,
                               const int64_t *table, int64_t ctx, const int64_t *rows,
                               const int64_t *lens, int64_t B, int64_t H, int64_t Hkv,
-                              int64_t D, float scale, float *out);
+                              int64_t D, float scale, void *out);
 
-/* A linear layer: kind > 0 a ggml block type (quant.c), 0 float32 panels on AVX2, -1
- * float32 panels on AVX-512 (linear.c). */
+/* A linear layer: kind > 0 a ggml block type (quant.c, float32 models only), 0 panels on
+ * AVX2, -1 panels on AVX-512 (linear.c), in the model's dtype. */
 typedef struct {
     int64_t kind;
     const void *weight;
-    const float *bias;          /* or NULL */
+    const void *bias;           /* or NULL; the model dtype */
 } ZsLinear;
 
 typedef struct {
-    const float *input_norm, *post_norm;
+    const void *input_norm, *post_norm;
     ZsLinear qkv, o, gate_up, down;
     void *kv;                   /* this layer's KV pool */
 } ZsLayer;
@@ -63,62 +66,84 @@ typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter;
     float eps, scale;
     int64_t avx512;             /* the AVX-512 norm / RoPE / SiLU / attention, else AVX2 */
-    const float *cos_sin;
+    int64_t bf16;               /* the dtype of weights, activations and KV: else float32 */
+    const void *cos_sin;
     const ZsLayer *layer;
 } ZsModel;
 
-static int linear(const ZsLinear *l, const float *x, int64_t M, int64_t K, int64_t N,
-                  float *y) {
+static int linear(const ZsModel *m, const ZsLinear *l, const void *x, int64_t M, int64_t K,
+                  int64_t N, void *y) {
     if (l->kind > 0) return zs_linear_quant((int)l->kind, x, M, K, l->weight, N, l->bias, y);
-    if (l->kind == 0) zs_linear_avx2(0, x, M, K, l->weight, N, l->bias, y);
+    if (l->kind == 0) zs_linear_avx2((int)m->bf16, x, M, K, l->weight, N, l->bias, y);
+    else if (m->bf16) zs_linear_bf16(x, M, K, l->weight, N, l->bias, y);
     else zs_linear_f32(x, M, K, l->weight, N, l->bias, y);
     return 0;
 }
 
-static void norm(const ZsModel *m, const float *x, float *r, const float *w, int64_t M,
-                 float *y) {
-    if (m->avx512) zs_add_rms_norm(0, x, r, r, w, m->eps, M, m->hidden, y);
-    else zs_add_rms_norm_avx2(x, r, r, w, m->eps, M, m->hidden, y);
+/* y = norm(x + r), r = x + r; or, r NULL, y = norm(x). */
+static void norm(const ZsModel *m, const void *x, void *r, const void *w, int64_t M,
+                 void *y) {
+    if (m->avx512) zs_add_rms_norm((int)m->bf16, x, r, r, w, m->eps, M, m->hidden, y);
+    else zs_add_rms_norm_avx2((int)m->bf16, x, r, r, w, m->eps, M, m->hidden, y);
+}
+
+static float bf16_to_f32(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static uint16_t f32_to_bf16(float f) {              /* as simd.h's f32_to_bf16x8 */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
 /* x [M, hidden]: the embeddings in, the hidden state out; r [M, hidden]: scratch for the
  * residual stream; the other buffers are scratch of the sizes named. table, ctx, rows,
  * lens, slots: attention.py's decode rows. Returns 0, or -1 (out of memory in quant.c;
  * the step is then lost). */
-int zs_decode_layers(const ZsModel *m, int64_t M, float *x, float *r, const int64_t *pos,
+int zs_decode_layers(const ZsModel *m, int64_t M, void *x, void *r, const int64_t *pos,
                      const int64_t *table, int64_t ctx, const int64_t *rows,
                      const int64_t *lens, const int64_t *slots,
-                     float *y /* [M, hidden] */, float *qkv /* [M, (H + 2 Hkv) D] */,
-                     float *att /* [M, H D] */, float *gu /* [M, 2 inter] */,
-                     float *act /* [M, inter] */) {
+                     void *y /* [M, hidden] */, void *qkv /* [M, (H + 2 Hkv) D] */,
+                     void *att /* [M, H D] */, void *gu /* [M, 2 inter] */,
+                     void *act /* [M, inter] */) {
     const int64_t H = m->heads, Hkv = m->kv_heads, D = m->head_dim, hid = m->hidden;
-    const int64_t qw = (H + 2 * Hkv) * D;
+    const int64_t qw = (H + 2 * Hkv) * D, esz = m->bf16 ? 2 : 4, bf16 = m->bf16;
+    char *const k = (char *)qkv + H * D * esz, *const v = k + Hkv * D * esz;
     for (int64_t l = 0; l < m->layers; l++) {
         const ZsLayer *L = &m->layer[l];
         if (l == 0) {                                       /* r = x; y = norm(x) */
-            memcpy(r, x, (size_t)(M * hid) * sizeof(float));
-            if (m->avx512) zs_add_rms_norm(0, x, NULL, NULL, L->input_norm, m->eps, M, hid, y);
-            else zs_add_rms_norm_avx2(x, NULL, NULL, L->input_norm, m->eps, M, hid, y);
+            memcpy(r, x, (size_t)(M * hid * esz));
+            norm(m, x, NULL, L->input_norm, M, y);
         } else {
             norm(m, x, r, L->input_norm, M, y);
         }
-        if (linear(&L->qkv, y, M, hid, qw, qkv)) return -1;
-        if (m->avx512) zs_rope(0, qkv, M, qw, H + Hkv, D, m->cos_sin, pos);
-        else zs_rope_avx2(qkv, M, qw, H + Hkv, D, m->cos_sin, pos);
-        zs_kv_write(0, L->kv, slots, M, qkv + H * D, qkv + (H + Hkv) * D, qw, Hkv * D);
+        if (linear(m, &L->qkv, y, M, hid, qw, qkv)) return -1;
+        if (m->avx512) zs_rope((int)bf16, qkv, M, qw, H + Hkv, D, m->cos_sin, pos);
+        else zs_rope_avx2((int)bf16, qkv, M, qw, H + Hkv, D, m->cos_sin, pos);
+        zs_kv_write((int)bf16, L->kv, slots, M, k, v, qw, Hkv * D);
         if (m->avx512)
-            zs_decode_attention(0, qkv, qw, L->kv, table, ctx, rows, lens, M, H, Hkv, D,
-                                m->scale, att);
+            zs_decode_attention((int)bf16, qkv, qw, L->kv, table, ctx, rows, lens, M, H, Hkv,
+                                D, m->scale, att);
         else
-            zs_decode_attention_avx2(qkv, qw, L->kv, table, ctx, rows, lens, M, H, Hkv, D,
-                                     m->scale, att);
-        if (linear(&L->o, att, M, H * D, hid, x)) return -1;
+            zs_decode_attention_avx2((int)bf16, qkv, qw, L->kv, table, ctx, rows, lens, M, H,
+                                     Hkv, D, m->scale, att);
+        if (linear(m, &L->o, att, M, H * D, hid, x)) return -1;
         norm(m, x, r, L->post_norm, M, y);
-        if (linear(&L->gate_up, y, M, hid, 2 * m->inter, gu)) return -1;
-        if (m->avx512) zs_silu_mul(0, gu, M, m->inter, act);
-        else zs_silu_mul_avx2(gu, M, m->inter, act);
-        if (linear(&L->down, act, M, m->inter, hid, x)) return -1;
+        if (linear(m, &L->gate_up, y, M, hid, 2 * m->inter, gu)) return -1;
+        if (m->avx512) zs_silu_mul((int)bf16, gu, M, m->inter, act);
+        else zs_silu_mul_avx2((int)bf16, gu, M, m->inter, act);
+        if (linear(m, &L->down, act, M, m->inter, hid, x)) return -1;
     }
-    for (int64_t i = 0; i < M * hid; i++) x[i] += r[i];
+    if (bf16)                                           /* x + r, rounded as torch's add */
+        for (int64_t i = 0; i < M * hid; i++)
+            ((uint16_t *)x)[i] = f32_to_bf16(bf16_to_f32(((uint16_t *)x)[i]) +
+                                             bf16_to_f32(((uint16_t *)r)[i]));
+    else
+        for (int64_t i = 0; i < M * hid; i++) ((float *)x)[i] += ((float *)r)[i];
     return 0;
 }

@@ -111,16 +111,18 @@ TARGET void zs_silu_mul(int bf16, const void *gu, int64_t M, int64_t I, void *y)
     }
 }
 
-/* ---- AVX2, float32 only: the same three for CPUs without AVX-512, same arguments but
- *      the dtype flag. Tails go through maskload / maskstore (masked lanes untouched). ---- */
+/* ---- AVX2: the same three for CPUs without AVX-512, same arguments, the same rounding
+ *      points. Tails go through load8 / store8 (lanes past the end untouched). ---- */
 
-/* sum(x[i] * x[i], i < n), rounded exactly as torch 2.13's CPU `x.pow(2).sum(-1)` rounds
- * it with 8-lane vectors (ATen SumKernel.cpp: vectorized_inner_sum -> row_sum ->
- * multi_row_sum, a 4-level cascade over groups of 4 vectors), so add_rms_norm below gives
- * transformers' RMSNorm bit for bit (tests/test_ops.py checks it on many widths). Any
- * other order moved the tiny test models' logits by up to 4e-4. */
-INLINE TARGET_AVX2 float torch_sum_squares(const float *x, int64_t n) {
-    const int64_t vecs = n / 8, rows = vecs / 4;          /* rows of 4 vectors */
+/* sum(x[i] * x[i], i < n) over x upcast to float32, rounded exactly as torch 2.13's CPU
+ * `x.float().pow(2).sum(-1)` rounds it with 8-lane vectors (ATen SumKernel.cpp:
+ * vectorized_inner_sum -> row_sum -> multi_row_sum, a 4-level cascade over groups of 4
+ * vectors), so add_rms_norm below gives transformers' RMSNorm bit for bit
+ * (tests/test_ops.py checks it on many widths). Any other order moved the tiny test models'
+ * logits by up to 4e-4. */
+INLINE TARGET_AVX2 float torch_sum_squares(const int bf16, const void *x, int64_t n) {
+    const int64_t esz = bf16 ? 2 : 4, vecs = n / 8, rows = vecs / 4;   /* rows of 4 vectors */
+    const char *xb = x;
     int64_t log2 = 0;
     while ((int64_t)1 << log2 < rows) log2++;             /* CeilLog2(rows) */
     const int64_t power = log2 / 4 > 4 ? log2 / 4 : 4, step = (int64_t)1 << power;
@@ -129,11 +131,12 @@ INLINE TARGET_AVX2 float torch_sum_squares(const float *x, int64_t n) {
     for (int j = 0; j < 4; j++)
         for (int k = 0; k < 4; k++) acc[j][k] = _mm256_setzero_ps();
     int64_t i = 0;
-#define SQ(v) _mm256_mul_ps((v), (v))
+#define SQ(v) ({ __m256 v_ = (v); _mm256_mul_ps(v_, v_); })
+#define VEC(e) load8(bf16, xb + (e) * esz, 8)
     while (i + step <= rows) {
         for (int64_t j = 0; j < step; j++, i++)
             for (int k = 0; k < 4; k++)
-                acc[0][k] = _mm256_add_ps(acc[0][k], SQ(_mm256_loadu_ps(x + (4 * i + k) * 8)));
+                acc[0][k] = _mm256_add_ps(acc[0][k], SQ(VEC((4 * i + k) * 8)));
         for (int j = 1; j < 4; j++) {
             for (int k = 0; k < 4; k++) {
                 acc[j][k] = _mm256_add_ps(acc[j][k], acc[j - 1][k]);
@@ -144,75 +147,103 @@ INLINE TARGET_AVX2 float torch_sum_squares(const float *x, int64_t n) {
     }
     for (; i < rows; i++)
         for (int k = 0; k < 4; k++)
-            acc[0][k] = _mm256_add_ps(acc[0][k], SQ(_mm256_loadu_ps(x + (4 * i + k) * 8)));
+            acc[0][k] = _mm256_add_ps(acc[0][k], SQ(VEC((4 * i + k) * 8)));
     for (int j = 1; j < 4; j++)
         for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], acc[j][k]);
     for (int64_t v = rows * 4; v < vecs; v++)             /* vectors past the last row */
-        acc[0][0] = _mm256_add_ps(acc[0][0], SQ(_mm256_loadu_ps(x + v * 8)));
+        acc[0][0] = _mm256_add_ps(acc[0][0], SQ(VEC(v * 8)));
+#undef VEC
 #undef SQ
     for (int k = 1; k < 4; k++) acc[0][0] = _mm256_add_ps(acc[0][0], acc[0][k]);
-    float total = 0.0f, lanes[8];
-    for (int64_t e = vecs * 8; e < n; e++) total += x[e] * x[e];       /* scalar tail first */
+    float total = 0.0f, tail[8], lanes[8];
+    _mm256_storeu_ps(tail, load8(bf16, xb + vecs * 8 * esz, n - vecs * 8));
+    for (int64_t e = 0; e < n - vecs * 8; e++) total += tail[e] * tail[e];  /* scalar tail first */
     _mm256_storeu_ps(lanes, acc[0][0]);
     for (int k = 0; k < 8; k++) total += lanes[k];
     return total;
 }
 
-TARGET_AVX2 void zs_add_rms_norm_avx2(const float *x, const float *r, float *h,
-                                      const float *w, float eps, int64_t M, int64_t D,
-                                      float *y) {
+INLINE TARGET_AVX2 void norm_row8(const int bf16, const void *x, const void *r, void *h,
+                                  const void *w, float eps, int64_t D, void *y) {
+    const int64_t esz = bf16 ? 2 : 4;
+    if (r)                                               /* h = x + residual, rounded */
+        for (int64_t d = 0; d < D; d += 8)
+            store8(bf16, (char *)h + d * esz, D - d,
+                   _mm256_add_ps(load8(bf16, (const char *)x + d * esz, D - d),
+                                 load8(bf16, (const char *)r + d * esz, D - d)));
+    const void *src = r ? h : x;
+    const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(torch_sum_squares(bf16, src, D) / (float)D
+                                                   + eps));
+    for (int64_t d = 0; d < D; d += 8) {                 /* w * (x / rms in float32, rounded) */
+        __m256 v = round8(bf16, _mm256_mul_ps(load8(bf16, (const char *)src + d * esz, D - d),
+                                              inv));
+        store8(bf16, (char *)y + d * esz, D - d,
+               _mm256_mul_ps(load8(bf16, (const char *)w + d * esz, D - d), v));
+    }
+}
+
+TARGET_AVX2 void zs_add_rms_norm_avx2(int bf16, const void *x, const void *r, void *h,
+                                      const void *w, float eps, int64_t M, int64_t D,
+                                      void *y) {
+    const int64_t row = D * (bf16 ? 2 : 4);
 #pragma omp parallel for schedule(static) if (M >= 64)
     for (int64_t i = 0; i < M; i++) {
-        const float *xi = x + i * D, *ri = r ? r + i * D : 0;
-        float *hi = h ? h + i * D : 0, *yi = y + i * D;
-        if (ri)                                          /* h = x + residual */
-            for (int64_t d = 0; d < D; d += 8) {
-                __m256i m = tail8(D - d);
-                _mm256_maskstore_ps(hi + d, m, _mm256_add_ps(_mm256_maskload_ps(xi + d, m),
-                                                             _mm256_maskload_ps(ri + d, m)));
-            }
-        const float *src = ri ? hi : xi;
-        const float inv = 1.0f / sqrtf(torch_sum_squares(src, D) / (float)D + eps);
-        for (int64_t d = 0; d < D; d += 8) {
-            __m256i m = tail8(D - d);
-            __m256 v = _mm256_mul_ps(_mm256_maskload_ps(src + d, m), _mm256_set1_ps(inv));
-            _mm256_maskstore_ps(yi + d, m, _mm256_mul_ps(_mm256_maskload_ps(w + d, m), v));
+        const char *xi = (const char *)x + i * row, *ri = r ? (const char *)r + i * row : 0;
+        char *hi = h ? (char *)h + i * row : 0, *yi = (char *)y + i * row;
+        if (bf16) norm_row8(1, xi, ri, hi, w, eps, D, yi);   /* dtype picked in the loop */
+        else norm_row8(0, xi, ri, hi, w, eps, D, yi);
+    }
+}
+
+INLINE TARGET_AVX2 void rope_row8(const int bf16, void *x, int64_t i, int64_t stride,
+                                  int64_t heads, int64_t D, const void *cos_sin,
+                                  const int64_t *pos) {
+    const int64_t esz = bf16 ? 2 : 4, half = D / 2;
+    const char *cs = (const char *)cos_sin + pos[i] * D * esz;
+    for (int64_t hd = 0; hd < heads; hd++) {
+        char *x1p = (char *)x + (i * stride + hd * D) * esz, *x2p = x1p + half * esz;
+        for (int64_t d = 0; d < half; d += 8) {
+            const int64_t left = half - d;
+            __m256 c = load8(bf16, cs + d * esz, left), s = load8(bf16, cs + (half + d) * esz, left);
+            __m256 x1 = load8(bf16, x1p + d * esz, left), x2 = load8(bf16, x2p + d * esz, left);
+            store8(bf16, x1p + d * esz, left, _mm256_sub_ps(round8(bf16, _mm256_mul_ps(x1, c)),
+                                                            round8(bf16, _mm256_mul_ps(x2, s))));
+            store8(bf16, x2p + d * esz, left, _mm256_add_ps(round8(bf16, _mm256_mul_ps(x2, c)),
+                                                            round8(bf16, _mm256_mul_ps(x1, s))));
         }
     }
 }
 
-TARGET_AVX2 void zs_rope_avx2(float *x, int64_t M, int64_t stride, int64_t heads, int64_t D,
-                              const float *cos_sin, const int64_t *pos) {
-    const int64_t half = D / 2;
+TARGET_AVX2 void zs_rope_avx2(int bf16, void *x, int64_t M, int64_t stride, int64_t heads,
+                              int64_t D, const void *cos_sin, const int64_t *pos) {
 #pragma omp parallel for schedule(static) if (M >= 64)
     for (int64_t i = 0; i < M; i++) {
-        const float *cs = cos_sin + pos[i] * D;
-        for (int64_t hd = 0; hd < heads; hd++) {
-            float *x1p = x + i * stride + hd * D, *x2p = x1p + half;
-            for (int64_t d = 0; d < half; d += 8) {
-                __m256i m = tail8(half - d);
-                __m256 c = _mm256_maskload_ps(cs + d, m), s = _mm256_maskload_ps(cs + half + d, m);
-                __m256 x1 = _mm256_maskload_ps(x1p + d, m), x2 = _mm256_maskload_ps(x2p + d, m);
-                _mm256_maskstore_ps(x1p + d, m, _mm256_sub_ps(_mm256_mul_ps(x1, c),
-                                                              _mm256_mul_ps(x2, s)));
-                _mm256_maskstore_ps(x2p + d, m, _mm256_add_ps(_mm256_mul_ps(x2, c),
-                                                              _mm256_mul_ps(x1, s)));
-            }
-        }
+        if (bf16) rope_row8(1, x, i, stride, heads, D, cos_sin, pos);
+        else rope_row8(0, x, i, stride, heads, D, cos_sin, pos);
     }
 }
 
-TARGET_AVX2 void zs_silu_mul_avx2(const float *gu, int64_t M, int64_t I, float *y) {
+INLINE TARGET_AVX2 void silu_row8(const int bf16, const void *gu, int64_t i, int64_t I,
+                                  void *y) {
+    const int64_t esz = bf16 ? 2 : 4;
+    const char *g = (const char *)gu + i * 2 * I * esz, *u = g + I * esz;
+    char *o = (char *)y + i * I * esz;
+    for (int64_t d = 0; d < I; d += 8) {                 /* silu(g), rounded, times u */
+        __m256 gv = load8(bf16, g + d * esz, I - d);
+        __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f),
+                                                    exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        /* where torch's e^-g overflows to inf, its silu is g / inf = -0 (exp8 stops at e^88) */
+        sv = _mm256_blendv_ps(sv, _mm256_mul_ps(gv, _mm256_setzero_ps()),
+                              _mm256_cmp_ps(gv, _mm256_set1_ps(-88.72284f), _CMP_LT_OQ));
+        store8(bf16, o + d * esz, I - d,
+               _mm256_mul_ps(round8(bf16, sv), load8(bf16, u + d * esz, I - d)));
+    }
+}
+
+TARGET_AVX2 void zs_silu_mul_avx2(int bf16, const void *gu, int64_t M, int64_t I, void *y) {
 #pragma omp parallel for schedule(static) if (M * I >= 65536)
     for (int64_t i = 0; i < M; i++) {
-        const float *g = gu + i * 2 * I, *u = g + I;
-        float *o = y + i * I;
-        for (int64_t d = 0; d < I; d += 8) {
-            __m256i m = tail8(I - d);
-            __m256 gv = _mm256_maskload_ps(g + d, m);
-            __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f),
-                                                        exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
-            _mm256_maskstore_ps(o + d, m, _mm256_mul_ps(sv, _mm256_maskload_ps(u + d, m)));
-        }
+        if (bf16) silu_row8(1, gu, i, I, y);
+        else silu_row8(0, gu, i, I, y);
     }
 }

@@ -143,8 +143,7 @@ TARGET void zs_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
  * A tile is up to MR2 rows of x times one panel (2 x MR2 accumulators + 2 weight vectors in
  * the 16 ymm registers). bfloat16 weights are widened in registers (a pair (t = 0, 1) of a
  * 32-bit lane: t = 0 shifted up, t = 1 masked), x rows too; sums in float32 as above, the
- * bfloat16 output rounded once to nearest even (integer arithmetic: AVX2 has no vcvtneps2bf16;
- * NaN stays NaN). */
+ * bfloat16 output rounded once to nearest even (simd.h's store8: AVX2 has no vcvtneps2bf16). */
 
 #define MR2 6
 
@@ -153,26 +152,6 @@ INLINE TARGET_AVX2 __m256 bf16_lo(__m256i pairs) {   /* t = 0 of each pair, as f
 }
 INLINE TARGET_AVX2 __m256 bf16_hi(__m256i pairs) {   /* t = 1 */
     return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32((int)0xFFFF0000u)));
-}
-
-/* 8 float32 -> 8 bfloat16 (in the low halves of the int32 lanes), round to nearest even */
-INLINE TARGET_AVX2 __m256i to_bf16_8(__m256 v) {
-    __m256i b = _mm256_castps_si256(v);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)),
-                                                   lsb), 16);
-    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(0x40));
-    return _mm256_blendv_epi8(r, qnan, nan);
-}
-
-INLINE TARGET_AVX2 void store_bf16_8(uint16_t *p, int64_t n, __m256 v) {
-    __m256i w = to_bf16_8(v);                                 /* 8 x int32, value in low 16 */
-    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
-    if (n >= 8) { _mm_storeu_si128((__m128i *)p, packed); return; }
-    uint16_t tmp[8];
-    _mm_storeu_si128((__m128i *)tmp, packed);
-    memcpy(p, tmp, (size_t)n * 2);
 }
 
 /* One pair of k (2 k2, 2 k2 + 1) of bfloat16 x and weights into the accumulators; `half`
@@ -214,23 +193,14 @@ INLINE TARGET_AVX2 void tile_avx2(const int bf16, const int mr, const void *xv, 
         for (int64_t k2 = 0; k2 < K / 2; k2++) pair_avx2(mr, acc, x, K, p, k2, 0);
         if (K & 1) pair_avx2(mr, acc, x, K, p, K / 2, 1);
     }
+    const int64_t esz = bf16 ? 2 : 4;
     for (int h = 0; h < 2; h++) {
         const int64_t n = n0 + 8 * h, left = N - n;
         if (left <= 0) break;
-        const __m256i m = tail8(left);
-        __m256 bv = _mm256_setzero_ps();
-        if (bias && bf16) {
-            uint16_t tmp[8] = {0};
-            memcpy(tmp, (const uint16_t *)bias + n, (size_t)(left < 8 ? left : 8) * 2);
-            bv = bf16_lo(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)tmp)));
-        } else if (bias) {
-            bv = _mm256_maskload_ps((const float *)bias + n, m);
-        }
-        for (int i = 0; i < mr; i++) {
-            const __m256 out = _mm256_add_ps(acc[i][h], bv);
-            if (bf16) store_bf16_8((uint16_t *)yv + i * N + n, left, out);
-            else _mm256_maskstore_ps((float *)yv + i * N + n, m, out);
-        }
+        const __m256 bv = bias ? load8(bf16, (const char *)bias + n * esz, left)
+                               : _mm256_setzero_ps();
+        for (int i = 0; i < mr; i++)
+            store8(bf16, (char *)yv + (i * N + n) * esz, left, _mm256_add_ps(acc[i][h], bv));
     }
 }
 

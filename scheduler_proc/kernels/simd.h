@@ -1,8 +1,9 @@
 /* Shared helpers for zserve's CPU kernels. AVX-512: 16 float32 lanes at a time, loaded from
- * and stored to float32 or bfloat16 memory (at the end: AVX2 float32 helpers, 8 lanes). `bf16` must be a compile-time constant where
- * they are inlined, so each kernel gets one branch-free copy per dtype; GCC outlines an
+ * and stored to float32 or bfloat16 memory (at the end: the same for AVX2, 8 lanes). `bf16`
+ * must be a compile-time constant where they are inlined, so each kernel gets one branch-free copy per dtype; GCC outlines an
  * OpenMP region before it inlines, so kernels pick the dtype inside their parallel loops.
- * bfloat16 conversions flush values below ~1.2e-38 to zero (vcvtneps2bf16, vdpbf16ps).
+ * AVX-512's bfloat16 conversions flush values below ~1.2e-38 to zero (vcvtneps2bf16,
+ * vdpbf16ps); AVX2's keep them, as torch does.
  */
 #ifndef ZSERVE_SIMD_H
 #define ZSERVE_SIMD_H
@@ -71,7 +72,7 @@ INLINE TARGET_F32 __m512 exp_ps(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* ---- AVX2, float32, 8 lanes: the kernels for CPUs without AVX-512 -------------------- */
+/* ---- AVX2, 8 lanes: the kernels for CPUs without AVX-512 ---------------------------- */
 
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
 
@@ -107,6 +108,54 @@ INLINE TARGET_AVX2 float hsum8_ps(__m256 v) {
 INLINE TARGET_AVX2 __m256i tail8(int64_t left) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 8 ? left : 8)),
                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+INLINE TARGET_AVX2 __m256 bf16x8_to_f32(__m128i v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+/* float32 -> bfloat16 rounded to nearest even, as torch rounds (denormals kept); a NaN
+ * stays NaN (quieted, sign and payload top kept, as vcvtneps2bf16 does). */
+INLINE TARGET_AVX2 __m128i f32_to_bf16x8(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(
+        _mm256_set1_epi32(0x7FFF), odd)), 16);
+    __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, qnan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* The first min(left, 8) elements of float32 or bfloat16 memory at p; lanes past them read
+ * as 0 and are never touched in memory. */
+INLINE TARGET_AVX2 __m256 load8(const int bf16, const void *p, int64_t left) {
+    if (!bf16) return left >= 8 ? _mm256_loadu_ps((const float *)p)
+                                : _mm256_maskload_ps((const float *)p, tail8(left));
+    if (left >= 8) return bf16x8_to_f32(_mm_loadu_si128((const __m128i *)p));
+    uint16_t t[8] = {0};
+    for (int64_t k = 0; k < left; k++) t[k] = ((const uint16_t *)p)[k];
+    return bf16x8_to_f32(_mm_loadu_si128((const __m128i *)t));
+}
+
+INLINE TARGET_AVX2 void store8(const int bf16, void *p, int64_t left, __m256 v) {
+    if (!bf16) {
+        if (left >= 8) _mm256_storeu_ps((float *)p, v);
+        else _mm256_maskstore_ps((float *)p, tail8(left), v);
+        return;
+    }
+    __m128i b = f32_to_bf16x8(v);
+    if (left >= 8) {
+        _mm_storeu_si128((__m128i *)p, b);
+        return;
+    }
+    uint16_t t[8];
+    _mm_storeu_si128((__m128i *)t, b);
+    for (int64_t k = 0; k < left; k++) ((uint16_t *)p)[k] = t[k];
+}
+
+/* v rounded to the dtype's precision (what storing and reloading it would give). */
+INLINE TARGET_AVX2 __m256 round8(const int bf16, __m256 v) {
+    return bf16 ? bf16x8_to_f32(f32_to_bf16x8(v)) : v;
 }
 
 #endif

@@ -8,10 +8,11 @@ same kind of buffers, so the hidden state is bit for bit the module path's
 (tests/test_fast_decode.py); the model's own forward stays the reference and the path
 for everything else.
 
-It applies (`FastDecode.of` says None otherwise): float32 on the CPU, one rank, no
-per-head q/k norm (Qwen3), every linear layer a QuantLinear or a float32 CpuLinear, and
-the norm / RoPE / SiLU / decode-attention kernels available; per step, when every row is
-a decode row on the attention kernel (`takes`). The embedding and the logits stay torch.
+It applies (`FastDecode.of` says None otherwise): float32 or bfloat16 on the CPU, one
+rank, no per-head q/k norm (Qwen3), every linear layer a CpuLinear of the model's dtype
+(or, float32 only, a QuantLinear), and the norm / RoPE / SiLU / decode-attention kernels
+available for the dtype; per step, when every row is a decode row on the attention kernel
+(`takes`). The embedding and the logits stay torch.
 """
 
 from __future__ import annotations
@@ -40,18 +41,20 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
                 ("head_dim", _i64), ("inter", _i64), ("eps", _f), ("scale", _f),
-                ("avx512", _i64), ("cos_sin", _p), ("layer", ctypes.POINTER(_Layer))]
+                ("avx512", _i64), ("bf16", _i64), ("cos_sin", _p),
+                ("layer", ctypes.POINTER(_Layer))]
 
 
-def _linear(module) -> _Linear | None:
-    """decode.c's description of a linear layer, or None if it cannot run there."""
+def _linear(module, dtype: torch.dtype) -> _Linear | None:
+    """decode.c's description of a linear layer of a `dtype` model, or None if it cannot run
+    there."""
     if isinstance(module, QuantLinear):
         bias = module.bias
-        if bias is not None and bias.dtype != torch.float32:
+        if dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
             return None
         return _Linear(module._type_id, module.blocks.data_ptr(),
                        None if bias is None else bias.data_ptr())
-    if isinstance(module, CpuLinear) and module.dtype == torch.float32:
+    if isinstance(module, CpuLinear) and module.dtype == dtype:
         return _Linear(-1 if module.avx512 else 0, module.weight.data_ptr(),
                        None if module.bias is None else module.bias.data_ptr())
     return None
@@ -75,7 +78,8 @@ class FastDecode:
         c = model.config
         dtype = model.embed_tokens.weight.dtype
         device = model.embed_tokens.weight.device
-        if (model.tp is not None or dtype != torch.float32 or device.type != "cpu"
+        if (model.tp is not None or dtype not in (torch.float32, torch.bfloat16)
+                or device.type != "cpu"
                 or c.qk_norm or c.hidden_size < 8 or _kernels_for("cpu", dtype) is None
                 or not decode_kernel_fits(device, dtype, c.num_heads, c.num_kv_heads,
                                           c.head_dim)):
@@ -86,7 +90,7 @@ class FastDecode:
         for i, layer in enumerate(model.layers):
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                        layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            parts = [_linear(m) for m in linears]
+            parts = [_linear(m, dtype) for m in linears]
             if any(p is None for p in parts):
                 return None
             keep.extend(linears)
@@ -101,7 +105,7 @@ class FastDecode:
         keep.append(cos_sin)
         c_model = _Model(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                          c.intermediate_size, c.rms_norm_eps, c.head_dim ** -0.5, int(avx512),
-                         cos_sin.data_ptr(), layers)
+                         int(dtype == torch.bfloat16), cos_sin.data_ptr(), layers)
         return cls(model, c_model, layers, keep)
 
     @staticmethod
@@ -124,7 +128,7 @@ class FastDecode:
         m = x.shape[0]
         qw = (c.heads + 2 * c.kv_heads) * c.head_dim
         scratch = torch.empty(m * (2 * c.hidden + qw + c.heads * c.head_dim + 3 * c.inter),
-                              dtype=torch.float32)
+                              dtype=x.dtype)
         r, y, qkv, att, gu, act = torch.split(
             scratch, [m * c.hidden, m * c.hidden, m * qw, m * c.heads * c.head_dim,
                       m * 2 * c.inter, m * c.inter])

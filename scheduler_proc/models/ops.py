@@ -1,5 +1,5 @@
 """The decoder's elementwise ops, each in one place: torch (any device) or, on CPUs where
-kernels.available() (or for float32, kernels.avx2_available()), zserve's C kernels
+kernels.available() or kernels.avx2_available() (float32, bfloat16), zserve's C kernels
 (kernels/elementwise.c), which round exactly where the torch code below does, so the two
 agree to float32 summation order.
 
@@ -34,14 +34,14 @@ def _kernels_for(device_type: str, dtype: torch.dtype) -> Kernels | None:
     if device_type != "cpu":
         return None
     lib = kernels.library()
+    flag = int(dtype == torch.bfloat16)
     if kernels.available("cpu", dtype):                     # AVX-512: float32 and bfloat16
-        flag = int(dtype == torch.bfloat16)
-        return Kernels(functools.partial(lib.zs_add_rms_norm, flag),
-                       functools.partial(lib.zs_rope, flag),
-                       functools.partial(lib.zs_silu_mul, flag))
-    if dtype == torch.float32 and kernels.avx2_available("cpu"):
-        return Kernels(lib.zs_add_rms_norm_avx2, lib.zs_rope_avx2, lib.zs_silu_mul_avx2)
-    return None
+        fns = lib.zs_add_rms_norm, lib.zs_rope, lib.zs_silu_mul
+    elif dtype in (torch.float32, torch.bfloat16) and kernels.avx2_available("cpu"):
+        fns = lib.zs_add_rms_norm_avx2, lib.zs_rope_avx2, lib.zs_silu_mul_avx2
+    else:
+        return None
+    return Kernels(*(functools.partial(fn, flag) for fn in fns))
 
 
 def _kernel(x: Tensor) -> Kernels | None:
