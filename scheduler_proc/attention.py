@@ -10,7 +10,7 @@ The model calls `attn(layer, q, k, v)`; K/V of this step's tokens are written to
 slots first, then read back through the table, so a segment sees its cached prefix.
 
 Decode rows run on our C kernel (kernels/attention.c: reads K/V in place through the table,
-online softmax in float32; AVX-512, or AVX2 for float32) where `decode_kernel_fits`;
+online softmax in float32; AVX-512, else AVX2) where `decode_kernel_fits`;
 elsewhere (CUDA, other CPUs) they are gathered into a padded [B, T] batch for SDPA with a
 length mask.
 """

@@ -73,7 +73,8 @@ typedef struct {
 
 static int linear(const ZsModel *m, const ZsLinear *l, const void *x, int64_t M, int64_t K,
                   int64_t N, void *y) {
-    if (l->kind > 0) return zs_linear_quant((int)l->kind, x, M, K, l->weight, N, l->bias, y);
+    if (l->kind > 0)                    /* float32 activations only (fast_decode.py) */
+        return m->bf16 ? -1 : zs_linear_quant((int)l->kind, x, M, K, l->weight, N, l->bias, y);
     if (l->kind == 0) zs_linear_avx2((int)m->bf16, x, M, K, l->weight, N, l->bias, y);
     else if (m->bf16) zs_linear_bf16(x, M, K, l->weight, N, l->bias, y);
     else zs_linear_f32(x, M, K, l->weight, N, l->bias, y);

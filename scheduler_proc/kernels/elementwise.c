@@ -232,7 +232,8 @@ INLINE TARGET_AVX2 void silu_row8(const int bf16, const void *gu, int64_t i, int
         __m256 gv = load8(bf16, g + d * esz, I - d);
         __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f),
                                                     exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
-        /* where torch's e^-g overflows to inf, its silu is g / inf = -0 (exp8 stops at e^88) */
+        /* where torch's e^-g overflows to inf, its silu is g / inf = -0 (exp8 stops at e^88;
+         * for -88.72 < g <= -88 both give ~1e-36, not the same one) */
         sv = _mm256_blendv_ps(sv, _mm256_mul_ps(gv, _mm256_setzero_ps()),
                               _mm256_cmp_ps(gv, _mm256_set1_ps(-88.72284f), _CMP_LT_OQ));
         store8(bf16, o + d * esz, I - d,
