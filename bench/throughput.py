@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -708,14 +709,14 @@ def run_zserve(args, model_path: str, prompts, single_prompts, modes, report,
     """One zserve server (launched with `flags`, or --url): warm-up, then each mode. Each
     result says what the server's linear layers ran on (`weights`, from /server_info)."""
     server = None
-    weights = None
-    try:
-        if args.url:
-            url = args.url.rstrip("/")
-            wait_health(url, args.url_wait)
-        else:
-            server, report["zserve_startup_s"] = launch_server(model_path, args.dtype, flags)
-            url = server.url
+    if args.url:
+        url = args.url.rstrip("/")
+        wait_health(url, args.url_wait)
+    else:
+        server, report["zserve_startup_s"] = launch_server(model_path, args.dtype, flags)
+        url = server.url
+    with turn_of("zserve", server, server and server.terminate):
+        weights = None
         try:
             info = httpx.get(url + "/server_info", timeout=10).json()
             report["zserve_server_info"] = info
@@ -730,14 +731,21 @@ def run_zserve(args, model_path: str, prompts, single_prompts, modes, report,
             pass
         return run_modes(ZSERVE, "zserve", url, prompts, single_prompts, modes, args,
                          args.dtype, weights, None if server is None else server.proc.pid)
+
+
+@contextlib.contextmanager
+def turn_of(name: str, server, stop: Callable[[], int] | None):
+    """A launched server's turn (zserve's or llama-server's): if the turn fails its log
+    tail is printed; however it ends, stop() stops it. server None (--url): nothing."""
+    try:
+        yield
     except Exception:
         if server is not None:
-            print(f"# server log tail:\n{server.logs()[-4000:]}", file=sys.stderr)
+            print(f"# {name} log tail:\n{server.logs()[-4000:]}", file=sys.stderr)
         raise
     finally:
         if server is not None:
-            rc = server.terminate()
-            print(f"# zserve stopped (exit {rc})", file=sys.stderr)
+            print(f"# {name} stopped (exit {stop()})", file=sys.stderr)
 
 
 def run_modes(client, name: str, url: str, prompts, single_prompts, modes, args, dtype: str,
@@ -762,26 +770,17 @@ def run_modes(client, name: str, url: str, prompts, single_prompts, modes, args,
 def run_llama(args, llama_model: str, prompts, single_prompts, modes, report) -> list[dict]:
     """One llama-server turn: launched on llama_model with a slot per prompt, warm-up, each
     mode, stopped."""
-    server = None
     slots = len(prompts)
     ctx = slots * llama_slot_context(args.input_len, args.output_len)
-    try:
-        t0 = time.monotonic()
-        server = LlamaServer(args.llama_server, llama_model, slots, ctx, args.llama_threads)
+    t0 = time.monotonic()
+    server = LlamaServer(args.llama_server, llama_model, slots, ctx, args.llama_threads)
+    with turn_of("llama-server", server, server.stop):
         report["llama_startup_s"] = time.monotonic() - t0
         report["llama"]["command"] = shlex.join(server.command)
         print(f"# launched llama-server on {server.url} (log: {server.log_path})",
               file=sys.stderr)
         return run_modes(LLAMA, "llama.cpp", server.url, prompts, single_prompts, modes,
                          args, "-", report["llama"]["weights"], server.proc.pid)
-    except Exception:
-        if server is not None:
-            print(f"# llama-server log tail:\n{server.logs()[-4000:]}", file=sys.stderr)
-        raise
-    finally:
-        if server is not None:
-            rc = server.stop()
-            print(f"# llama-server stopped (exit {rc})", file=sys.stderr)
 
 
 def main(argv=None) -> int:
