@@ -141,12 +141,30 @@ static int64_t kv_heads_per_task(int64_t B, int64_t Hkv) {
     return B >= 4 * omp_get_max_threads() ? Hkv : 1;
 }
 
-#define TASK(bf16_, nd_) decode_task(bf16_, nd_, qb, kv, table + rows[b] * ctx, lens[b], H, \
-                                    Hkv, g0, g1, scale, ob)
-#define TASKS(bf16_)                                                                    \
+/* The driver, written once and instantiated per instruction set with its task function
+ * (`lanes` floats a vector): a task is one row's KV heads [g0, g1). The dtype and head size
+ * are picked inside the loop: OpenMP outlines the loop body before inlining, so only
+ * there do they become constants of each task function copy. */
+#define TASK(task_fn, lanes, bf16_, d_)                                                 \
+    case d_: task_fn(bf16_, d_ / lanes, qb, kv, table + rows[b] * ctx, lens[b], H, Hkv,  \
+                     g0, g1, scale, ob); break;
+#define TASKS(task_fn, lanes, bf16_)                                                    \
     switch (D) {                                                                        \
-    case 32: TASK(bf16_, 2); break;   case 64: TASK(bf16_, 4); break;                   \
-    case 128: TASK(bf16_, 8); break;  case 256: TASK(bf16_, 16); break;                 \
+    TASK(task_fn, lanes, bf16_, 32) TASK(task_fn, lanes, bf16_, 64)                     \
+    TASK(task_fn, lanes, bf16_, 128) TASK(task_fn, lanes, bf16_, 256)                   \
+    }
+#define DECODE_ROWS(task_fn, lanes)                                                     \
+    {                                                                                   \
+        const int64_t esz = bf16 ? 2 : 4;                                               \
+        const int64_t per_task = kv_heads_per_task(B, Hkv), tasks_per_row = Hkv / per_task; \
+        _Pragma("omp parallel for schedule(dynamic, 1)")                                \
+        for (int64_t task = 0; task < B * tasks_per_row; task++) {                      \
+            const int64_t b = task / tasks_per_row;                                     \
+            const int64_t g0 = task % tasks_per_row * per_task, g1 = g0 + per_task;     \
+            const char *qb = (const char *)q + b * q_stride * esz;                      \
+            char *ob = (char *)out + b * H * D * esz;                                   \
+            if (bf16) { TASKS(task_fn, lanes, 1) } else { TASKS(task_fn, lanes, 0) }    \
+        }                                                                               \
     }
 
 /* bf16: q, kv and out are bfloat16 (else float32); D is one of KERNEL_HEAD_DIMS. */
@@ -154,24 +172,7 @@ TARGET void zs_decode_attention(int bf16, const void *q, int64_t q_stride, const
                                 const int64_t *table,
                                 int64_t ctx, const int64_t *rows, const int64_t *lens,
                                 int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale,
-                                void *out) {
-    const int64_t esz = bf16 ? 2 : 4;
-    const int64_t per_task = kv_heads_per_task(B, Hkv), tasks_per_row = Hkv / per_task;
-    /* dtype and head size are picked inside the loop: OpenMP outlines the loop body before
-     * inlining, so only there do they become constants of each decode_task copy. */
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t task = 0; task < B * tasks_per_row; task++) {
-        const int64_t b = task / tasks_per_row;
-        const int64_t g0 = task % tasks_per_row * per_task, g1 = g0 + per_task;
-        const char *qb = (const char *)q + b * q_stride * esz;
-        char *ob = (char *)out + b * H * D * esz;
-        if (bf16) {
-            TASKS(1)
-        } else {
-            TASKS(0)
-        }
-    }
-}
+                                void *out) DECODE_ROWS(decode_task, 16)
 
 /* Write this step's K and V into the pool: kv[slots[i], 0] = k[i], kv[slots[i], 1] = v[i].
  * k and v rows are `stride` elements apart (views into the qkv projection), each row's
@@ -260,28 +261,9 @@ INLINE TARGET_AVX2 void decode_task8(const int bf16, const int nd, const void *q
     }
 }
 
-#define TASK8(bf16_, nd_) decode_task8(bf16_, nd_, qb, kv, table + rows[b] * ctx, lens[b], \
-                                       H, Hkv, g0, g1, scale, ob)
-#define TASKS8(bf16_)                                                                   \
-    switch (D) {                                                                        \
-    case 32: TASK8(bf16_, 4); break;   case 64: TASK8(bf16_, 8); break;                 \
-    case 128: TASK8(bf16_, 16); break; case 256: TASK8(bf16_, 32); break;              \
-    }
-
 /* zs_decode_attention's arguments. */
 TARGET_AVX2 void zs_decode_attention_avx2(int bf16, const void *q, int64_t q_stride,
                                           const void *kv, const int64_t *table, int64_t ctx,
                                           const int64_t *rows, const int64_t *lens, int64_t B,
                                           int64_t H, int64_t Hkv, int64_t D, float scale,
-                                          void *out) {
-    const int64_t per_task = kv_heads_per_task(B, Hkv), tasks_per_row = Hkv / per_task;
-    const int64_t esz = bf16 ? 2 : 4;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t task = 0; task < B * tasks_per_row; task++) {
-        const int64_t b = task / tasks_per_row;
-        const int64_t g0 = task % tasks_per_row * per_task, g1 = g0 + per_task;
-        const char *qb = (const char *)q + b * q_stride * esz;
-        char *ob = (char *)out + b * H * D * esz;
-        if (bf16) { TASKS8(1) } else { TASKS8(0) }
-    }
-}
+                                          void *out) DECODE_ROWS(decode_task8, 8)

@@ -1,5 +1,6 @@
 /* zserve CPU elementwise kernels for the decoder: one call where torch needs a chain of
- * small ops (each a dispatch, an allocation and a pass over memory), AVX-512.
+ * small ops (each a dispatch, an allocation and a pass over memory): AVX-512, and AVX2
+ * versions at the end (the same arithmetic 8 lanes at a time).
  *
  * Numerics are transformers' modeling_llama, rounding where it rounds (bf = the model
  * dtype: float32, or bfloat16 rounded to nearest even):
@@ -14,6 +15,37 @@
 #include <stdint.h>
 
 #include "simd.h"
+
+/* The row loops, each written once and instantiated per instruction set with its row
+ * function (norm_row / norm_row8, ...). The dtype is picked inside the loop: see simd.h. */
+#define NORM_ROWS(row_fn)                                                               \
+    {                                                                                   \
+        const int64_t row = D * (bf16 ? 2 : 4);                                         \
+        _Pragma("omp parallel for schedule(static) if (M >= 64)")                       \
+        for (int64_t i = 0; i < M; i++) {                                               \
+            const char *xi = (const char *)x + i * row;                                 \
+            const char *ri = r ? (const char *)r + i * row : 0;                         \
+            char *hi = h ? (char *)h + i * row : 0, *yi = (char *)y + i * row;          \
+            if (bf16) row_fn(1, xi, ri, hi, w, eps, D, yi);                             \
+            else row_fn(0, xi, ri, hi, w, eps, D, yi);                                  \
+        }                                                                               \
+    }
+#define ROPE_ROWS(row_fn)                                                               \
+    {                                                                                   \
+        _Pragma("omp parallel for schedule(static) if (M >= 64)")                       \
+        for (int64_t i = 0; i < M; i++) {                                               \
+            if (bf16) row_fn(1, x, i, stride, heads, D, cos_sin, pos);                  \
+            else row_fn(0, x, i, stride, heads, D, cos_sin, pos);                       \
+        }                                                                               \
+    }
+#define SILU_ROWS(row_fn)                                                               \
+    {                                                                                   \
+        _Pragma("omp parallel for schedule(static) if (M * I >= 65536)")                \
+        for (int64_t i = 0; i < M; i++) {                                               \
+            if (bf16) row_fn(1, gu, i, I, y);                                           \
+            else row_fn(0, gu, i, I, y);                                                \
+        }                                                                               \
+    }
 
 /* ---- add_rms_norm: rows of D; r (the residual) may be NULL (then h = x, not written) --- */
 
@@ -42,16 +74,7 @@ INLINE TARGET void norm_row(const int bf16, const void *x, const void *r, void *
 }
 
 TARGET void zs_add_rms_norm(int bf16, const void *x, const void *r, void *h, const void *w,
-                            float eps, int64_t M, int64_t D, void *y) {
-    const int64_t row = D * (bf16 ? 2 : 4);
-#pragma omp parallel for schedule(static) if (M >= 64)
-    for (int64_t i = 0; i < M; i++) {
-        const char *xi = (const char *)x + i * row, *ri = r ? (const char *)r + i * row : 0;
-        char *hi = h ? (char *)h + i * row : 0, *yi = (char *)y + i * row;
-        if (bf16) norm_row(1, xi, ri, hi, w, eps, D, yi);   /* dtype picked in the loop: */
-        else norm_row(0, xi, ri, hi, w, eps, D, yi);        /* see simd.h */
-    }
-}
+                            float eps, int64_t M, int64_t D, void *y) NORM_ROWS(norm_row)
 
 /* ---- rope: rotate, in place, heads [0, heads) of each row of x (row stride `stride`
  *      elements, head h at h * D), at position pos[i]; cos_sin: [*, D] rows, cos in the
@@ -79,13 +102,7 @@ INLINE TARGET void rope_row(const int bf16, void *x, int64_t i, int64_t stride,
 }
 
 TARGET void zs_rope(int bf16, void *x, int64_t M, int64_t stride, int64_t heads, int64_t D,
-                    const void *cos_sin, const int64_t *pos) {
-#pragma omp parallel for schedule(static) if (M >= 64)
-    for (int64_t i = 0; i < M; i++) {
-        if (bf16) rope_row(1, x, i, stride, heads, D, cos_sin, pos);
-        else rope_row(0, x, i, stride, heads, D, cos_sin, pos);
-    }
-}
+                    const void *cos_sin, const int64_t *pos) ROPE_ROWS(rope_row)
 
 /* ---- silu_mul: gu [M, 2I] (gate | up) -> y [M, I] ---------------------------------------- */
 
@@ -103,13 +120,8 @@ INLINE TARGET void silu_row(const int bf16, const void *gu, int64_t i, int64_t I
     }
 }
 
-TARGET void zs_silu_mul(int bf16, const void *gu, int64_t M, int64_t I, void *y) {
-#pragma omp parallel for schedule(static) if (M * I >= 65536)
-    for (int64_t i = 0; i < M; i++) {
-        if (bf16) silu_row(1, gu, i, I, y);
-        else silu_row(0, gu, i, I, y);
-    }
-}
+TARGET void zs_silu_mul(int bf16, const void *gu, int64_t M, int64_t I, void *y)
+    SILU_ROWS(silu_row)
 
 /* ---- AVX2: the same three for CPUs without AVX-512, same arguments, the same rounding
  *      points. Tails go through load8 / store8 (lanes past the end untouched). ---- */
@@ -157,7 +169,8 @@ INLINE TARGET_AVX2 float torch_sum_squares(const int bf16, const void *x, int64_
     for (int k = 1; k < 4; k++) acc[0][0] = _mm256_add_ps(acc[0][0], acc[0][k]);
     float total = 0.0f, tail[8], lanes[8];
     _mm256_storeu_ps(tail, load8(bf16, xb + vecs * 8 * esz, n - vecs * 8));
-    for (int64_t e = 0; e < n - vecs * 8; e++) total += tail[e] * tail[e];  /* scalar tail first */
+    for (int64_t e = 0; e < n - vecs * 8; e++)           /* the scalar tail first */
+        total += tail[e] * tail[e];
     _mm256_storeu_ps(lanes, acc[0][0]);
     for (int k = 0; k < 8; k++) total += lanes[k];
     return total;
@@ -184,16 +197,7 @@ INLINE TARGET_AVX2 void norm_row8(const int bf16, const void *x, const void *r, 
 
 TARGET_AVX2 void zs_add_rms_norm_avx2(int bf16, const void *x, const void *r, void *h,
                                       const void *w, float eps, int64_t M, int64_t D,
-                                      void *y) {
-    const int64_t row = D * (bf16 ? 2 : 4);
-#pragma omp parallel for schedule(static) if (M >= 64)
-    for (int64_t i = 0; i < M; i++) {
-        const char *xi = (const char *)x + i * row, *ri = r ? (const char *)r + i * row : 0;
-        char *hi = h ? (char *)h + i * row : 0, *yi = (char *)y + i * row;
-        if (bf16) norm_row8(1, xi, ri, hi, w, eps, D, yi);   /* dtype picked in the loop */
-        else norm_row8(0, xi, ri, hi, w, eps, D, yi);
-    }
-}
+                                      void *y) NORM_ROWS(norm_row8)
 
 INLINE TARGET_AVX2 void rope_row8(const int bf16, void *x, int64_t i, int64_t stride,
                                   int64_t heads, int64_t D, const void *cos_sin,
@@ -204,24 +208,22 @@ INLINE TARGET_AVX2 void rope_row8(const int bf16, void *x, int64_t i, int64_t st
         char *x1p = (char *)x + (i * stride + hd * D) * esz, *x2p = x1p + half * esz;
         for (int64_t d = 0; d < half; d += 8) {
             const int64_t left = half - d;
-            __m256 c = load8(bf16, cs + d * esz, left), s = load8(bf16, cs + (half + d) * esz, left);
+            __m256 c = load8(bf16, cs + d * esz, left);
+            __m256 s = load8(bf16, cs + (half + d) * esz, left);
             __m256 x1 = load8(bf16, x1p + d * esz, left), x2 = load8(bf16, x2p + d * esz, left);
-            store8(bf16, x1p + d * esz, left, _mm256_sub_ps(round8(bf16, _mm256_mul_ps(x1, c)),
-                                                            round8(bf16, _mm256_mul_ps(x2, s))));
-            store8(bf16, x2p + d * esz, left, _mm256_add_ps(round8(bf16, _mm256_mul_ps(x2, c)),
-                                                            round8(bf16, _mm256_mul_ps(x1, s))));
+            __m256 o1 = _mm256_sub_ps(round8(bf16, _mm256_mul_ps(x1, c)),
+                                      round8(bf16, _mm256_mul_ps(x2, s)));
+            __m256 o2 = _mm256_add_ps(round8(bf16, _mm256_mul_ps(x2, c)),
+                                      round8(bf16, _mm256_mul_ps(x1, s)));
+            store8(bf16, x1p + d * esz, left, o1);
+            store8(bf16, x2p + d * esz, left, o2);
         }
     }
 }
 
 TARGET_AVX2 void zs_rope_avx2(int bf16, void *x, int64_t M, int64_t stride, int64_t heads,
-                              int64_t D, const void *cos_sin, const int64_t *pos) {
-#pragma omp parallel for schedule(static) if (M >= 64)
-    for (int64_t i = 0; i < M; i++) {
-        if (bf16) rope_row8(1, x, i, stride, heads, D, cos_sin, pos);
-        else rope_row8(0, x, i, stride, heads, D, cos_sin, pos);
-    }
-}
+                              int64_t D, const void *cos_sin, const int64_t *pos)
+    ROPE_ROWS(rope_row8)
 
 INLINE TARGET_AVX2 void silu_row8(const int bf16, const void *gu, int64_t i, int64_t I,
                                   void *y) {
@@ -230,8 +232,8 @@ INLINE TARGET_AVX2 void silu_row8(const int bf16, const void *gu, int64_t i, int
     char *o = (char *)y + i * I * esz;
     for (int64_t d = 0; d < I; d += 8) {                 /* silu(g), rounded, times u */
         __m256 gv = load8(bf16, g + d * esz, I - d);
-        __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f),
-                                                    exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(
+            _mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
         /* where torch's e^-g overflows to inf, its silu is g / inf = -0 (exp8 stops at e^88;
          * for -88.72 < g <= -88 both give ~1e-36, not the same one) */
         sv = _mm256_blendv_ps(sv, _mm256_mul_ps(gv, _mm256_setzero_ps()),
@@ -241,10 +243,5 @@ INLINE TARGET_AVX2 void silu_row8(const int bf16, const void *gu, int64_t i, int
     }
 }
 
-TARGET_AVX2 void zs_silu_mul_avx2(int bf16, const void *gu, int64_t M, int64_t I, void *y) {
-#pragma omp parallel for schedule(static) if (M * I >= 65536)
-    for (int64_t i = 0; i < M; i++) {
-        if (bf16) silu_row8(1, gu, i, I, y);
-        else silu_row8(0, gu, i, I, y);
-    }
-}
+TARGET_AVX2 void zs_silu_mul_avx2(int bf16, const void *gu, int64_t M, int64_t I, void *y)
+    SILU_ROWS(silu_row8)

@@ -1,7 +1,8 @@
 /* Shared helpers for zserve's CPU kernels. AVX-512: 16 float32 lanes at a time, loaded from
  * and stored to float32 or bfloat16 memory (at the end: the same for AVX2, 8 lanes). `bf16`
- * must be a compile-time constant where they are inlined, so each kernel gets one branch-free copy per dtype; GCC outlines an
- * OpenMP region before it inlines, so kernels pick the dtype inside their parallel loops.
+ * must be a compile-time constant where they are inlined, so each kernel gets one
+ * branch-free copy per dtype; GCC outlines an OpenMP region before it inlines, so kernels
+ * pick the dtype inside their parallel loops.
  * AVX-512's bfloat16 conversions flush values below ~1.2e-38 to zero (vcvtneps2bf16,
  * vdpbf16ps); AVX2's keep them, as torch does.
  */
