@@ -16,42 +16,27 @@
 
 #include "simd.h"
 
-/* The row loops, each written once and instantiated per instruction set with its row
- * function (norm_row / norm_row8, ...). The dtype is picked inside the loop: see simd.h. */
-#define NORM_ROWS(row_fn)                                                               \
+/* The one driver loop of every kernel here, either instruction set: row_fn(bf16, i, ...)
+ * for each row i < M, in parallel where `parallel` holds. The dtype is picked inside the
+ * loop: see simd.h. */
+#define EACH_ROW(parallel, row_fn, ...)                                                 \
     {                                                                                   \
-        const int64_t row = D * (bf16 ? 2 : 4);                                         \
-        _Pragma("omp parallel for schedule(static) if (M >= 64)")                       \
+        const int many = (parallel);                                                    \
+        _Pragma("omp parallel for schedule(static) if (many)")                          \
         for (int64_t i = 0; i < M; i++) {                                               \
-            const char *xi = (const char *)x + i * row;                                 \
-            const char *ri = r ? (const char *)r + i * row : 0;                         \
-            char *hi = h ? (char *)h + i * row : 0, *yi = (char *)y + i * row;          \
-            if (bf16) row_fn(1, xi, ri, hi, w, eps, D, yi);                             \
-            else row_fn(0, xi, ri, hi, w, eps, D, yi);                                  \
-        }                                                                               \
-    }
-#define ROPE_ROWS(row_fn)                                                               \
-    {                                                                                   \
-        _Pragma("omp parallel for schedule(static) if (M >= 64)")                       \
-        for (int64_t i = 0; i < M; i++) {                                               \
-            if (bf16) row_fn(1, x, i, stride, heads, D, cos_sin, pos);                  \
-            else row_fn(0, x, i, stride, heads, D, cos_sin, pos);                       \
-        }                                                                               \
-    }
-#define SILU_ROWS(row_fn)                                                               \
-    {                                                                                   \
-        _Pragma("omp parallel for schedule(static) if (M * I >= 65536)")                \
-        for (int64_t i = 0; i < M; i++) {                                               \
-            if (bf16) row_fn(1, gu, i, I, y);                                           \
-            else row_fn(0, gu, i, I, y);                                                \
+            if (bf16) row_fn(1, i, __VA_ARGS__);                                        \
+            else row_fn(0, i, __VA_ARGS__);                                             \
         }                                                                               \
     }
 
 /* ---- add_rms_norm: rows of D; r (the residual) may be NULL (then h = x, not written) --- */
 
-INLINE TARGET void norm_row(const int bf16, const void *x, const void *r, void *h,
-                            const void *w, float eps, int64_t D, void *y) {
+INLINE TARGET void norm_row(const int bf16, int64_t i, const void *xs, const void *rs,
+                            void *hs, const void *w, float eps, int64_t D, void *ys) {
     const int64_t esz = bf16 ? 2 : 4;
+    const int64_t at = i * D * esz;                  /* row i of each */
+    const char *x = (const char *)xs + at, *r = rs ? (const char *)rs + at : 0;
+    char *h = hs ? (char *)hs + at : 0, *y = (char *)ys + at;
     __m512 ss = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) {           /* pass 1: h and sum of squares */
         __mmask16 m = tail_mask(D - d);
@@ -74,13 +59,14 @@ INLINE TARGET void norm_row(const int bf16, const void *x, const void *r, void *
 }
 
 TARGET void zs_add_rms_norm(int bf16, const void *x, const void *r, void *h, const void *w,
-                            float eps, int64_t M, int64_t D, void *y) NORM_ROWS(norm_row)
+                            float eps, int64_t M, int64_t D, void *y)
+    EACH_ROW(M >= 64, norm_row, x, r, h, w, eps, D, y)
 
 /* ---- rope: rotate, in place, heads [0, heads) of each row of x (row stride `stride`
  *      elements, head h at h * D), at position pos[i]; cos_sin: [*, D] rows, cos in the
  *      first D/2 columns, sin in the last; D even. ------------------------------------ */
 
-INLINE TARGET void rope_row(const int bf16, void *x, int64_t i, int64_t stride,
+INLINE TARGET void rope_row(const int bf16, int64_t i, void *x, int64_t stride,
                             int64_t heads, int64_t D, const void *cos_sin,
                             const int64_t *pos) {
     const int64_t esz = bf16 ? 2 : 4, half = D / 2;
@@ -102,11 +88,12 @@ INLINE TARGET void rope_row(const int bf16, void *x, int64_t i, int64_t stride,
 }
 
 TARGET void zs_rope(int bf16, void *x, int64_t M, int64_t stride, int64_t heads, int64_t D,
-                    const void *cos_sin, const int64_t *pos) ROPE_ROWS(rope_row)
+                    const void *cos_sin, const int64_t *pos)
+    EACH_ROW(M >= 64, rope_row, x, stride, heads, D, cos_sin, pos)
 
 /* ---- silu_mul: gu [M, 2I] (gate | up) -> y [M, I] ---------------------------------------- */
 
-INLINE TARGET void silu_row(const int bf16, const void *gu, int64_t i, int64_t I, void *y) {
+INLINE TARGET void silu_row(const int bf16, int64_t i, const void *gu, int64_t I, void *y) {
     const int64_t esz = bf16 ? 2 : 4;
     const char *g = (const char *)gu + i * 2 * I * esz, *u = g + I * esz;
     char *o = (char *)y + i * I * esz;
@@ -121,7 +108,7 @@ INLINE TARGET void silu_row(const int bf16, const void *gu, int64_t i, int64_t I
 }
 
 TARGET void zs_silu_mul(int bf16, const void *gu, int64_t M, int64_t I, void *y)
-    SILU_ROWS(silu_row)
+    EACH_ROW(M * I >= 65536, silu_row, gu, I, y)
 
 /* ---- AVX2: the same three for CPUs without AVX-512, same arguments, the same rounding
  *      points. Tails go through load8 / store8 (lanes past the end untouched). ---- */
@@ -176,9 +163,12 @@ INLINE TARGET_AVX2 float torch_sum_squares(const int bf16, const void *x, int64_
     return total;
 }
 
-INLINE TARGET_AVX2 void norm_row8(const int bf16, const void *x, const void *r, void *h,
-                                  const void *w, float eps, int64_t D, void *y) {
+INLINE TARGET_AVX2 void norm_row8(const int bf16, int64_t i, const void *xs, const void *rs,
+                                  void *hs, const void *w, float eps, int64_t D, void *ys) {
     const int64_t esz = bf16 ? 2 : 4;
+    const int64_t at = i * D * esz;                  /* row i of each */
+    const char *x = (const char *)xs + at, *r = rs ? (const char *)rs + at : 0;
+    char *h = hs ? (char *)hs + at : 0, *y = (char *)ys + at;
     if (r)                                               /* h = x + residual, rounded */
         for (int64_t d = 0; d < D; d += 8)
             store8(bf16, (char *)h + d * esz, D - d,
@@ -197,9 +187,10 @@ INLINE TARGET_AVX2 void norm_row8(const int bf16, const void *x, const void *r, 
 
 TARGET_AVX2 void zs_add_rms_norm_avx2(int bf16, const void *x, const void *r, void *h,
                                       const void *w, float eps, int64_t M, int64_t D,
-                                      void *y) NORM_ROWS(norm_row8)
+                                      void *y)
+    EACH_ROW(M >= 64, norm_row8, x, r, h, w, eps, D, y)
 
-INLINE TARGET_AVX2 void rope_row8(const int bf16, void *x, int64_t i, int64_t stride,
+INLINE TARGET_AVX2 void rope_row8(const int bf16, int64_t i, void *x, int64_t stride,
                                   int64_t heads, int64_t D, const void *cos_sin,
                                   const int64_t *pos) {
     const int64_t esz = bf16 ? 2 : 4, half = D / 2;
@@ -223,9 +214,9 @@ INLINE TARGET_AVX2 void rope_row8(const int bf16, void *x, int64_t i, int64_t st
 
 TARGET_AVX2 void zs_rope_avx2(int bf16, void *x, int64_t M, int64_t stride, int64_t heads,
                               int64_t D, const void *cos_sin, const int64_t *pos)
-    ROPE_ROWS(rope_row8)
+    EACH_ROW(M >= 64, rope_row8, x, stride, heads, D, cos_sin, pos)
 
-INLINE TARGET_AVX2 void silu_row8(const int bf16, const void *gu, int64_t i, int64_t I,
+INLINE TARGET_AVX2 void silu_row8(const int bf16, int64_t i, const void *gu, int64_t I,
                                   void *y) {
     const int64_t esz = bf16 ? 2 : 4;
     const char *g = (const char *)gu + i * 2 * I * esz, *u = g + I * esz;
@@ -244,4 +235,4 @@ INLINE TARGET_AVX2 void silu_row8(const int bf16, const void *gu, int64_t i, int
 }
 
 TARGET_AVX2 void zs_silu_mul_avx2(int bf16, const void *gu, int64_t M, int64_t I, void *y)
-    SILU_ROWS(silu_row8)
+    EACH_ROW(M * I >= 65536, silu_row8, gu, I, y)
