@@ -323,11 +323,21 @@ class Dispatcher:
         pipeline is told to abort it, and whatever it still sends is dropped."""
         if self.states.get(state.rid) is not state:
             return
-        self._forget(state)
         if not self.lost:
             self.to_tokenizer.send(AbortRequest(rid=state.rid, message=finish.message or ""))
-        state.timing.mark_output(time.monotonic(), terminal=True)
-        out = TextOutput(state.rid, "", [], finish)
+        self._end_here(state, finish, time.monotonic())
+
+    def _end_here(self, state: RequestState, finish: FinishReason, now: float) -> None:
+        """Give state a terminal output made here. It carries the counts of the newest
+        output received (what the pipeline will no longer send), so that the log line and
+        the token metrics of a timed-out or failed request count the tokens it had."""
+        self._forget(state)
+        state.timing.mark_output(now, terminal=True)
+        seen = state.pending[-1] if state.pending else state.last
+        out = TextOutput(state.rid, "", [], finish) if seen is None else TextOutput(
+            state.rid, "", [], finish, prompt_tokens=seen.prompt_tokens,
+            completion_tokens=seen.completion_tokens, cached_tokens=seen.cached_tokens,
+            queue_time=seen.queue_time)
         state.push(out)
         self._finished(state, out)
 
@@ -409,12 +419,8 @@ class Dispatcher:
         self.lost = message
         now = time.monotonic()
         for state in list(self.states.values()):
-            self._forget(state)
-            state.timing.mark_output(now, terminal=True)
-            out = TextOutput(state.rid, "", [], FinishReason("abort", message=message,
-                                                             status_code=503))
-            state.push(out)
-            self._finished(state, out)
+            self._end_here(state, FinishReason("abort", message=message, status_code=503),
+                           now)
 
     async def flush_cache(self, timeout: float = 30.0) -> ControlReply:
         req_id = uuid.uuid4().hex

@@ -4,6 +4,7 @@ unauthorized or never read, and how in-flight requests end at shutdown (issue 8)
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import threading
@@ -244,13 +245,17 @@ STALL = {"ZSERVE_TEST_STALL_AFTER_STEPS": "1"}    # the scheduler hangs after it
 
 
 def test_request_timeout_ends_a_request_that_cannot_finish(tiny_model, tmp_path):
-    s = Server(tiny_model("llama"), "--request-timeout", "1", tmpdir=tmp_path, env=STALL)
+    s = Server(tiny_model("llama"), "--request-timeout", "1", "--log-level", "info",
+               tmpdir=tmp_path, env=STALL)
     try:
         t0 = time.monotonic()
         r = s.generate(text="a", sampling_params={"max_new_tokens": 8})
         assert r.status_code == 503, r.text
         assert "timed out after 1 s" in r.json()["error"]["message"]
         assert time.monotonic() - t0 < 30
+        # Its first token was made before the stall: the log line counts it (and the prompt).
+        line = next(x for x in s.logs().splitlines() if " generate: prompt" in x)
+        assert re.search(r"prompt [1-9]\d*, completion 1, .*; abort 503$", line), line
         r = s.client.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
