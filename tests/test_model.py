@@ -131,8 +131,8 @@ def test_packed_and_plain_linears_agree():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_linear_kernels_agree_with_f_linear(dtype):
-    """Our kernels (the CPU default: AVX-512, else the AVX2 version of the same panels, 6
-    rows a tile) on every tile edge: rows 1..8 and past one tile,
+    """Our kernels (the CPU default: AVX-512, else the AVX2 version of the same panels, up
+    to 6 rows a tile) on every tile edge: rows 1..8 and past one tile,
     outputs not a multiple of 16 or of a 48-wide tile, odd K (bfloat16 pairs), bias or not.
     Both sum in float32 in another order than F.linear: float32 agrees to rounding, and
     bfloat16 is identical but for rare one-ulp differences where the float32 sums round
@@ -161,6 +161,12 @@ def test_cpu_linear_kernels_agree_with_f_linear(dtype):
                     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
     # A strided input (a view) is read correctly; an empty batch gives an empty output.
     layer = cpu_linear.CpuLinear(w, b)
+    # Each row is summed alone, in k order, whatever tile it falls in: a row's output does
+    # not depend on the batch around it, bit for bit (at 32 rows: AVX2 float32 tiles of 6
+    # and 5 rows, bfloat16 tiles of 6 and 2).
+    x = torch.randn(32, k, dtype=dtype)
+    batch = layer(x)
+    assert all(torch.equal(batch[i], layer(x[i:i + 1])[0]) for i in range(32))
     x = torch.randn(300, 2 * k, dtype=dtype)[:, ::2]
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, w, b),
                                atol=1e-4 if dtype == torch.float32 else 0, rtol=2 ** -7)

@@ -216,20 +216,34 @@ INLINE TARGET_AVX2 void tile_avx2(const int bf16, const int mr, const void *xv, 
 #define TILE2_ARGS (const char *)x + m0 * K * esz, K, (const char *)p + g * pstride * esz, \
                    bias, (char *)y + m0 * N * esz, N, g * 16
 
+/* Rows of tile t (of `tiles`) when tile t starts at row m0. float32 splits M into tiles of
+ * nearly equal size (M = 32: 6, 6, 5, 5, 5, 5, not 6 x 5 + 2): a float32 tile of r rows has
+ * 2r independent FMA chains and needs about 10 to hide the FMA latency, so a 2-row tile
+ * runs at ~40% (the equal split measured 5-8% faster on the 135M shape's layers at M = 32).
+ * bfloat16 takes full tiles first: its cost is widening each weight pair, which a tile's
+ * rows share (there the equal split measured 5-7% slower). Rows are summed alike either way. */
+static inline int tile_rows(int bf16, int64_t M, int64_t m0, int64_t tiles, int64_t t) {
+    if (bf16) return (int)(M - m0 < MR2 ? M - m0 : MR2);
+    return (int)(M / tiles + (t < M % tiles));
+}
+
 /* zs_linear_f32 / zs_linear_bf16's arguments, with the dtype as a flag. */
 TARGET_AVX2 void zs_linear_avx2(int bf16, const void *x, int64_t M, int64_t K, const void *p,
                                 int64_t N, const void *bias, void *y) {
     const int64_t panels = (N + 15) / 16, esz = bf16 ? 2 : 4;
     const int64_t pstride = bf16 ? ((K + 1) / 2) * 32 : K * 16;     /* elements per panel */
+    const int64_t tiles = (M + MR2 - 1) / MR2;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < panels; g++) {
-        for (int64_t m0 = 0; m0 < M; m0 += MR2) {
-            const int mr = (int)(M - m0 < MR2 ? M - m0 : MR2);
+        int64_t m0 = 0;
+        for (int64_t t = 0; t < tiles; t++) {
+            const int mr = tile_rows(bf16, M, m0, tiles, t);
             if (bf16) {
                 TILES2(1)
             } else {
                 TILES2(0)
             }
+            m0 += mr;
         }
     }
 }
