@@ -43,7 +43,7 @@ class Req:
         self.grammar_future = None
         self.grammar = None
         seed = msg.sampling.sampling_seed
-        # On the model's device: torch.multinomial needs a generator where the probs are.
+        # On the model's device: sampler.draw takes its uniform draw where the probs are.
         self.generator = None if seed is None else seeded_generator(seed % 2**64, device)
         self.logprob: LogprobRequest | None = msg.logprob
         self.pending_logprobs: Logprobs | None = None   # of the token sampled this step

@@ -179,14 +179,34 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
         rows = stuck.nonzero().view(-1)
         probs[rows] = 0.0
         probs[rows, fallback[rows]] = 1.0
-    sampled = torch.multinomial(probs, num_samples=1).view(-1)
-    for i, gen in enumerate(generators or ()):
-        if gen is not None:
-            sampled[i] = torch.multinomial(probs[i], num_samples=1, generator=gen)[0]
-    ids = torch.where(batch.is_greedy, greedy_ids, sampled)
+    ids = torch.where(batch.is_greedy, greedy_ids, draw(probs, generators))
     if fallback is not None:
         ids = torch.where(stuck, fallback, ids)
     return ids
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None] | None = None
+         ) -> torch.Tensor:
+    """One id per row of `probs` [B, V] (each row a distribution, some entries 0, the sum
+    above 0): the row's cumulative sums (float64) inverted at one uniform draw per row, row
+    i's from generators[i] when that is set. torch.multinomial draws a random number per
+    token instead: 52 ms a step at B = 32 and V = 49152 on 2 cores, against 3 ms.
+
+    A token of probability 0 is never drawn: it adds 0 to the sum, so the first sum above
+    the draw is never its own. The one case without such a sum, a draw that rounds up to
+    the row's total, takes the row's last token of probability above 0."""
+    rows, vocab = probs.shape
+    cdf = probs.double().cumsum(dim=-1)
+    u = torch.rand((rows, 1), dtype=torch.float64, device=probs.device)
+    for i, gen in enumerate(generators or ()):
+        if gen is not None:
+            u[i] = torch.rand(1, dtype=torch.float64, device=probs.device, generator=gen)
+    ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)
+    past = probs.gather(1, ids) <= 0
+    if bool(past.any()):
+        last = vocab - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1, keepdim=True)
+        ids = torch.where(past, last, ids)
+    return ids.view(-1)
 
 
 def fallback_ids(logits: torch.Tensor, raw_logits: torch.Tensor | None = None) -> torch.Tensor:

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from scheduler_proc.sampler import (SamplingBatch, apply_penalties, sample,
+from scheduler_proc import sampler
+from scheduler_proc.sampler import (SamplingBatch, apply_penalties, draw, sample,
                                     seeded_generator)
 from wire.sampling import SamplingParams
 
@@ -228,3 +229,31 @@ def test_nothing_raises_on_a_batch_of_broken_rows():
     tokens = raw(params, logits, gens, raw_logits=logits)
     assert len(tokens) == 6 and all(0 <= t < 30 for t in tokens)
     assert tokens[2] == 3 and tokens[5] == logits[5].argmax().item()
+
+
+@pytest.mark.parametrize("u, want", [(0.0, [2, 1]), (1.0, [5, 3])])
+def test_draw_never_takes_a_token_of_probability_zero(monkeypatch, u, want):
+    """The cumulative sums' ends: a draw of 0 takes the first token above 0 (not a leading
+    zero), and a draw that reaches the whole total (rounding) takes the last one above 0
+    (not the trailing zeros past it)."""
+    probs = torch.tensor([[0.0, 0.0, 0.5, 0.25, 0.0, 0.25, 0.0, 0.0],
+                          [0.0, 0.7, 0.0, 0.3, 0.0, 0.0, 0.0, 0.0]])
+    monkeypatch.setattr(sampler.torch, "rand",
+                        lambda size, **kw: torch.full(size, u, dtype=kw["dtype"]))
+    assert draw(probs).tolist() == want
+
+
+def test_draw_follows_each_rows_distribution_and_its_generator():
+    """Frequencies of 20,000 draws per row within 4 std; a seeded row repeats its draws
+    whatever the rest of the batch is."""
+    torch.manual_seed(8)
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3], [0.0, 0.0, 0.0, 1.0], [0.25] * 4])
+    n = 20_000
+    ids = draw(probs.repeat_interleave(n, dim=0)).view(3, n)
+    for row, want in zip(ids, probs):
+        got = torch.bincount(row, minlength=4).float() / n
+        assert (got - want).abs().max() < 4 * 0.5 / n ** 0.5, (got, want)
+    alone = [draw(probs[:1], [seeded_generator(s, "cpu")]).item() for s in range(20)]
+    crowd = [draw(probs, [seeded_generator(s, "cpu"), None, None])[0].item()
+             for s in range(20)]
+    assert alone == crowd and len(set(alone)) > 1
