@@ -49,6 +49,7 @@ from wire.sampling import FLOAT32_MAX, SamplingParams
 
 LOGIT_BIAS_LIMIT = 100.0
 NEG_INF, INF = float("-inf"), float("inf")
+CANDIDATES = 256            # top-k / top-p look at each row's most likely tokens first
 
 
 @dataclass(slots=True)
@@ -221,30 +222,57 @@ def fallback_ids(logits: torch.Tensor, raw_logits: torch.Tensor | None = None) -
 
 
 def _filter(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Zero out what top-k, top-p and min-p drop; the result stays in vocabulary order."""
-    min_ps = batch.min_ps.view(-1, 1)
-    if not (batch.need_top_k or batch.need_top_p):
-        if batch.need_min_p:
-            max_p = probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < min_ps * max_p, 0.0)
-        return probs
+    """Zero out what top-k, top-p and min-p drop; the result stays in vocabulary order.
+    min-p comes last, but its threshold is a share of the row's maximum, which top-k and
+    top-p always keep, so it is taken on the row as it came."""
+    kept = _top_k_top_p(probs, batch) if batch.need_top_k or batch.need_top_p else probs
+    if batch.need_min_p:
+        max_p = probs.amax(dim=-1, keepdim=True)
+        kept = kept.masked_fill(probs < batch.min_ps.view(-1, 1) * max_p, 0.0)
+    return kept
 
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    if batch.need_top_k:
-        rank = torch.arange(sorted_p.shape[-1], device=probs.device)
-        sorted_p = sorted_p.masked_fill(rank.view(1, -1) >= batch.top_ks.view(-1, 1), 0.0)
-    if batch.need_top_p:
-        # Token i is kept iff the mass strictly before it is below top_p of what top-k left:
-        # the smallest prefix reaching top_p. Rows with top_p == 1 are left alone (rounding).
-        cum = sorted_p.cumsum(dim=-1)
-        before = cum - sorted_p
-        limit = batch.top_ps.view(-1, 1) * cum[:, -1:]
-        drop = (before >= limit) & (batch.top_ps.view(-1, 1) < 1.0)
-        drop[:, 0] = False                    # even if top_p * mass rounds to 0
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-    if batch.need_min_p:            # column 0 is the max, which top-k and top-p always keep
-        sorted_p = sorted_p.masked_fill(sorted_p < min_ps * sorted_p[:, :1], 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+
+def _top_k_top_p(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Zero out what top-k and top-p drop. A row is decided on its CANDIDATES most likely
+    tokens (torch.topk: ~5 ms at B = 32 and V = 49152, where sorting whole rows takes ~80)
+    when they hold the answer: its top_k is at most CANDIDATES, or it has no top-k and the
+    candidates reach top_p of the row's mass (every token after them is then dropped).
+    Other rows sort the whole row. Rows without top-k and top-p are left as they are."""
+    vocab = probs.shape[-1]
+    top_ks, top_ps = batch.top_ks.view(-1, 1), batch.top_ps.view(-1, 1)
+    cand_p, cand_ids = probs.topk(min(CANDIDATES, vocab), dim=-1)      # most likely first
+    uses_k = top_ks < vocab
+    # The mass top-p takes its share of: the whole row's, or (0) what top-k kept of it.
+    mass = torch.where(uses_k, 0.0, probs.sum(dim=-1, keepdim=True))
+    cand_p, reach = _keep_prefix(cand_p, top_ks, top_ps, mass)
+    exact = (top_ks <= cand_p.shape[-1]) | (~uses_k & reach)
+    untouched = ~uses_k & (top_ps >= 1.0)
+    kept = torch.zeros_like(probs).scatter_(-1, cand_ids, cand_p)
+    kept = torch.where(untouched, probs, kept)
+    rest = (~(exact | untouched)).view(-1).nonzero().view(-1)
+    if len(rest):
+        sorted_p, order = probs[rest].sort(dim=-1, descending=True)
+        sorted_p, _ = _keep_prefix(sorted_p, top_ks[rest], top_ps[rest], None)
+        kept[rest] = torch.zeros_like(sorted_p).scatter_(-1, order, sorted_p)
+    return kept
+
+
+def _keep_prefix(sorted_p: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                 mass: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """top-k, then top-p of what top-k kept, on rows sorted most likely first (the whole row,
+    or its most likely tokens): token i is kept iff its rank is below top_k and the mass
+    strictly before it is below top_p of the kept mass (the smallest prefix reaching top_p;
+    the first token always stays, rows with top_p 1 are left alone). The kept mass is the
+    prefix's own sum after top-k where `mass` is None or 0 for the row, else `mass`. Returns
+    the filtered prefix and, per row, whether the prefix's sum reaches top_p of that mass."""
+    rank = torch.arange(sorted_p.shape[-1], device=sorted_p.device).view(1, -1)
+    sorted_p = sorted_p.masked_fill(rank >= top_ks, 0.0)
+    cum = sorted_p.cumsum(dim=-1)
+    total = cum[:, -1:] if mass is None else torch.where(mass > 0, mass, cum[:, -1:])
+    limit = top_ps * total
+    drop = (cum - sorted_p >= limit) & (top_ps < 1.0)
+    drop[:, 0] = False                        # even if top_p * mass rounds to 0
+    return sorted_p.masked_fill(drop, 0.0), cum[:, -1:] >= limit
 
 
 def output_counts(outputs: list[list[int]], vocab_size: int,

@@ -257,3 +257,54 @@ def test_draw_follows_each_rows_distribution_and_its_generator():
     crowd = [draw(probs, [seeded_generator(s, "cpu"), None, None])[0].item()
              for s in range(20)]
     assert alone == crowd and len(set(alone)) > 1
+
+
+def sorted_filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The filtering rule written out plainly, one row at a time over the whole sorted row
+    (the oracle for the sampler's candidates-first version)."""
+    out = torch.zeros_like(probs)
+    for i, p in enumerate(params):
+        sorted_p, order = probs[i].sort(descending=True)
+        if 0 < p.top_k < len(sorted_p):
+            sorted_p[p.top_k:] = 0.0
+        if p.top_p < 1.0:
+            cum = sorted_p.cumsum(0)
+            drop = cum - sorted_p >= p.top_p * cum[-1]
+            drop[0] = False
+            sorted_p[drop] = 0.0
+        if p.min_p > 0.0:
+            sorted_p[sorted_p < p.min_p * sorted_p[0]] = 0.0
+        out[i, order] = sorted_p
+    return out
+
+
+def test_filtering_on_the_most_likely_tokens_equals_sorting_whole_rows():
+    """Rows decided on their 256 most likely tokens (top_k <= 256, or a top-p prefix that
+    ends among them) and rows that must sort everything (top_k 257..V-1, flat rows whose
+    top-p prefix is long) give what sorting every whole row gives, side by side in one
+    batch, as do rows that only have min-p or nothing."""
+    torch.manual_seed(9)
+    vocab, grid = 3000, []
+    for top_k in (2, 7, 256, 257, 2000, -1):
+        for top_p in (1.0, 0.9, 0.5):
+            for min_p in (0.0, 0.02):
+                for scale in (0.05, 3.0, 6.0):          # flat, middling and peaked rows
+                    grid.append((top_k, top_p, min_p, scale))
+    params = [SamplingParams.from_json({"temperature": 1.0, "top_k": k, "top_p": p,
+                                        "min_p": m}) for k, p, m, _ in grid]
+    logits = torch.randn(len(grid), vocab) * torch.tensor([g[3] for g in grid]).view(-1, 1)
+    probs = torch.softmax(logits, dim=-1)
+    batch = SamplingBatch.from_params(params, vocab_size=vocab, device="cpu")
+    got, want = sampler._filter(probs, batch), sorted_filter(probs, params)
+    # Rows without top-k take top_p of the row's sum, the oracle of its sorted running
+    # sum: the two can differ in the last bit, so a token at the limit itself could go
+    # either way. None is near it here; the check says so rather than assume it.
+    for i, (top_k, top_p, _, _) in enumerate(grid):
+        if top_k < 1 and top_p < 1.0:
+            cum = probs[i].sort(descending=True).values.cumsum(0)
+            assert ((cum - cum[-1] * top_p).abs() > 1e-6).all(), grid[i]
+    assert torch.equal(got, want)
+    kept = {g: int((got[i] > 0).sum()) for i, g in enumerate(grid)}
+    assert kept[2000, 1.0, 0.0, 3.0] == 2000                    # sorted whole
+    assert kept[-1, 0.9, 0.0, 0.05] > sampler.CANDIDATES        # sorted whole: a long prefix
+    assert 1 < kept[-1, 0.9, 0.0, 3.0] < sampler.CANDIDATES     # decided on the candidates
