@@ -193,9 +193,10 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None] | None = 
     i's from generators[i] when that is set. torch.multinomial draws a random number per
     token instead: 52 ms a step at B = 32 and V = 49152 on 2 cores, against 3 ms.
 
-    A token of probability 0 is never drawn: it adds 0 to the sum, so the first sum above
-    the draw is never its own. The one case without such a sum, a draw that rounds up to
-    the row's total, takes the row's last token of probability above 0."""
+    A token of probability 0 is never drawn. On the CPU it adds exactly 0 to the running
+    sum, so the first sum above the draw is never its own; a draw that rounds up to the
+    row's total (no sum above it), or one that a parallel scan's rounding (CUDA) lands on
+    such a token, takes the row's last token of probability above 0."""
     rows, vocab = probs.shape
     cdf = probs.double().cumsum(dim=-1)
     u = torch.rand((rows, 1), dtype=torch.float64, device=probs.device)
