@@ -308,3 +308,25 @@ def test_filtering_on_the_most_likely_tokens_equals_sorting_whole_rows():
     assert kept[2000, 1.0, 0.0, 3.0] == 2000                    # sorted whole
     assert kept[-1, 0.9, 0.0, 0.05] > sampler.CANDIDATES        # sorted whole: a long prefix
     assert 1 < kept[-1, 0.9, 0.0, 3.0] < sampler.CANDIDATES     # decided on the candidates
+
+
+def test_draw_in_two_levels_equals_inverting_the_whole_rows_sums(monkeypatch):
+    """draw() finds the block, then the token in it; the same uniform draws inverted on each
+    row's whole running sum give the same ids. Rows of 1,000 tokens (not a multiple of the
+    block: the last block is padded), with zero runs, a whole block of zeros, and one token
+    holding almost everything."""
+    torch.manual_seed(10)
+    vocab, draws = 1000, 3000
+    rows = torch.softmax(torch.randn(3, vocab) * torch.tensor([[0.5], [2.0], [8.0]]), -1)
+    rows[:, 256:512] = 0.0                      # a whole block of zeros
+    rows[:, 700:760] = 0.0
+    rows[:, -5:] = 0.0                          # trailing zeros, in the padded last block
+    probs = rows.repeat_interleave(draws, dim=0)
+    u = torch.rand(len(probs), 1, dtype=torch.float64)
+    monkeypatch.setattr(sampler.torch, "rand", lambda size, **kw: u.clone())
+    got = draw(probs)
+    cdf = probs.double().cumsum(dim=-1)
+    want = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).view(-1)
+    assert torch.equal(got, want)
+    assert (probs.gather(1, got.view(-1, 1)) > 0).all()
+    assert len(set(got.tolist())) > 100             # the draws spread over the rows
