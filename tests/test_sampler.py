@@ -310,17 +310,18 @@ def test_filtering_on_the_most_likely_tokens_equals_sorting_whole_rows():
     assert 1 < kept[-1, 0.9, 0.0, 3.0] < sampler.CANDIDATES     # decided on the candidates
 
 
-def test_draw_in_two_levels_equals_inverting_the_whole_rows_sums(monkeypatch):
+@pytest.mark.parametrize("vocab", [1000, 768, 7])
+def test_draw_in_two_levels_equals_inverting_the_whole_rows_sums(monkeypatch, vocab):
     """draw() finds the block, then the token in it; the same uniform draws inverted on each
-    row's whole running sum give the same ids. Rows of 1,000 tokens (not a multiple of the
-    block: the last block is padded), with zero runs, a whole block of zeros, and one token
-    holding almost everything."""
+    row's whole running sum give the same ids. Rows of 1,000 tokens (the last block padded),
+    768 (whole blocks) and 7 (one padded block), with zero runs, a whole block of zeros,
+    trailing zeros, and one token holding almost everything."""
     torch.manual_seed(10)
-    vocab, draws = 1000, 3000
+    draws = 3000
     rows = torch.softmax(torch.randn(3, vocab) * torch.tensor([[0.5], [2.0], [8.0]]), -1)
     rows[:, 256:512] = 0.0                      # a whole block of zeros
-    rows[:, 700:760] = 0.0
-    rows[:, -5:] = 0.0                          # trailing zeros, in the padded last block
+    rows[:, vocab // 4:vocab // 2 - 1] = 0.0
+    rows[:, -2:] = 0.0                          # trailing zeros
     probs = rows.repeat_interleave(draws, dim=0)
     u = torch.rand(len(probs), 1, dtype=torch.float64)
     monkeypatch.setattr(sampler.torch, "rand", lambda size, **kw: u.clone())
@@ -329,4 +330,26 @@ def test_draw_in_two_levels_equals_inverting_the_whole_rows_sums(monkeypatch):
     want = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).view(-1)
     assert torch.equal(got, want)
     assert (probs.gather(1, got.view(-1, 1)) > 0).all()
-    assert len(set(got.tolist())) > 100             # the draws spread over the rows
+    assert len(set(got.tolist())) > min(100, vocab // 2)    # the draws spread over the rows
+
+
+def test_a_draw_between_a_blocks_two_sums_stays_in_its_block(monkeypatch):
+    """A block's sum and its running sum are added in different orders and can differ in
+    the last bit. A draw between them takes the block's last token above 0, not the row's
+    (found in review: token 999 instead of 199 here)."""
+    torch.manual_seed(0)
+    for _ in range(500):
+        p = torch.softmax(torch.randn(1, 1000) * 4, -1)
+        p[0, 200:256] = 0.0                     # block 0 ends in zeros
+        blocks = torch.nn.functional.pad(p, (0, 24)).reshape(1, 4, 256)
+        sums = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)     # as draw() adds
+        running = blocks[0, 0].double().cumsum(dim=0)[-1]
+        u = (running / sums[0, -1]).view(1, 1)
+        while u * sums[0, -1] < running:
+            u = torch.nextafter(u, torch.ones_like(u))
+        if u * sums[0, -1] < sums[0, 0]:        # between the two sums of block 0
+            break
+    else:
+        pytest.fail("no row here has a draw between the two sums")
+    monkeypatch.setattr(sampler.torch, "rand", lambda size, **kw: u.clone())
+    assert draw(p).item() == 199
