@@ -33,14 +33,7 @@ KERNEL_MAX_HEADS, KERNEL_HEAD_DIMS = 64, (32, 64, 128, 256)     # as in attentio
 def _decode_function(device_type: str, dtype: torch.dtype):
     """attention.c's decode attention for this device and dtype, taking its arguments
     without the dtype flag (its AVX-512 kernel, else its AVX2 one), or None."""
-    if device_type != "cpu":
-        return None
-    flag = int(dtype == torch.bfloat16)
-    if kernels.available("cpu", dtype):
-        return functools.partial(kernels.library().zs_decode_attention, flag)
-    if dtype in (torch.float32, torch.bfloat16) and kernels.avx2_available("cpu"):
-        return functools.partial(kernels.library().zs_decode_attention_avx2, flag)
-    return None
+    return kernels.function("zs_decode_attention", device_type, dtype)
 
 
 def decode_kernel_fits(device: torch.device, dtype: torch.dtype, num_heads: int,

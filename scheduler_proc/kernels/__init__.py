@@ -19,7 +19,8 @@ AVX2 versions (AVX2 + FMA + F16C: every x86-64 CPU since 2013) have their own ch
 `avx2_available(device)`: the quantized linear layers (where it is false, quantized
 weights are dequantized at load instead: --quantization, README "Quantized weights"), and
 for CPUs without AVX-512 the *_avx2 functions of linear.c, attention.c and elementwise.c
-(float32 and bfloat16).
+(float32 and bfloat16). `function(name, device, dtype)` picks attention.c's and
+elementwise.c's version by that rule.
 """
 
 from __future__ import annotations
@@ -132,7 +133,25 @@ def avx2_available(device: torch.device | str) -> bool:
             and library() is not None)
 
 
+def _avx2_serves(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Do the *_avx2 versions take over for this dtype (float32 and bfloat16)?"""
+    return dtype in CPU_FLAGS and avx2_available(device)
+
+
 def linear_available(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Can linear layers of this dtype run on linear.c (AVX-512, or its AVX2 version for
     float32 and bfloat16)?"""
-    return available(device, dtype) or (dtype in CPU_FLAGS and avx2_available(device))
+    return available(device, dtype) or _avx2_serves(device, dtype)
+
+
+def function(name: str, device: torch.device | str, dtype: torch.dtype):
+    """attention.c's or elementwise.c's function `name` for this device and dtype, with its
+    leading dtype flag bound: the AVX-512 version, else its AVX2 version (`name`_avx2), else
+    None (torch serves)."""
+    if available(device, dtype):
+        fn = getattr(library(), name)
+    elif _avx2_serves(device, dtype):
+        fn = getattr(library(), name + "_avx2")
+    else:
+        return None
+    return functools.partial(fn, int(dtype == torch.bfloat16))

@@ -31,17 +31,9 @@ class Kernels(NamedTuple):
 
 @functools.cache
 def _kernels_for(device_type: str, dtype: torch.dtype) -> Kernels | None:
-    if device_type != "cpu":
-        return None
-    lib = kernels.library()
-    flag = int(dtype == torch.bfloat16)
-    if kernels.available("cpu", dtype):                     # AVX-512: float32 and bfloat16
-        fns = lib.zs_add_rms_norm, lib.zs_rope, lib.zs_silu_mul
-    elif dtype in (torch.float32, torch.bfloat16) and kernels.avx2_available("cpu"):
-        fns = lib.zs_add_rms_norm_avx2, lib.zs_rope_avx2, lib.zs_silu_mul_avx2
-    else:
-        return None
-    return Kernels(*(functools.partial(fn, flag) for fn in fns))
+    fns = [kernels.function(name, device_type, dtype)
+           for name in ("zs_add_rms_norm", "zs_rope", "zs_silu_mul")]
+    return None if fns[0] is None else Kernels(*fns)
 
 
 def _kernel(x: Tensor) -> Kernels | None:
