@@ -66,26 +66,37 @@ TARGET void zs_add_rms_norm(int bf16, const void *x, const void *r, void *h, con
  *      elements, head h at h * D), at position pos[i]; cos_sin: [*, D] rows, cos in the
  *      first D/2 columns, sin in the last; D even. ------------------------------------ */
 
+/* A RoPE row, for both instruction sets: `rotate` (rotate16 / rotate8) turns `lanes`
+ * columns of one head, from column d of each half on. */
+#define ROPE_ROW(rotate, lanes)                                                         \
+    {                                                                                   \
+        const int64_t esz = bf16 ? 2 : 4, half = D / 2;                                 \
+        const char *cs = (const char *)cos_sin + pos[i] * D * esz;                      \
+        for (int64_t hd = 0; hd < heads; hd++) {                                        \
+            char *x1 = (char *)x + (i * stride + hd * D) * esz, *x2 = x1 + half * esz;  \
+            for (int64_t d = 0; d < half; d += (lanes))                                 \
+                rotate(bf16, cs + d * esz, cs + (half + d) * esz, x1 + d * esz,         \
+                       x2 + d * esz, half - d);                                         \
+        }                                                                               \
+    }
+
+INLINE TARGET void rotate16(const int bf16, const char *cp, const char *sp, char *x1p,
+                            char *x2p, int64_t left) {
+    const __mmask16 m = tail_mask(left);
+    __m512 c = load16(bf16, cp, m), s = load16(bf16, sp, m);
+    __m512 x1 = load16(bf16, x1p, m), x2 = load16(bf16, x2p, m);
+    __m512 o1 = _mm512_sub_ps(round_bf(bf16, _mm512_mul_ps(x1, c)),
+                              round_bf(bf16, _mm512_mul_ps(x2, s)));
+    __m512 o2 = _mm512_add_ps(round_bf(bf16, _mm512_mul_ps(x2, c)),
+                              round_bf(bf16, _mm512_mul_ps(x1, s)));
+    store16(bf16, x1p, m, o1);
+    store16(bf16, x2p, m, o2);
+}
+
 INLINE TARGET void rope_row(const int bf16, int64_t i, void *x, int64_t stride,
                             int64_t heads, int64_t D, const void *cos_sin,
-                            const int64_t *pos) {
-    const int64_t esz = bf16 ? 2 : 4, half = D / 2;
-    const char *cs = (const char *)cos_sin + pos[i] * D * esz;
-    for (int64_t hd = 0; hd < heads; hd++) {
-        char *x1p = (char *)x + (i * stride + hd * D) * esz, *x2p = x1p + half * esz;
-        for (int64_t d = 0; d < half; d += 16) {
-            __mmask16 m = tail_mask(half - d);
-            __m512 c = load16(bf16, cs + d * esz, m), s = load16(bf16, cs + (half + d) * esz, m);
-            __m512 x1 = load16(bf16, x1p + d * esz, m), x2 = load16(bf16, x2p + d * esz, m);
-            __m512 o1 = _mm512_sub_ps(round_bf(bf16, _mm512_mul_ps(x1, c)),
-                                      round_bf(bf16, _mm512_mul_ps(x2, s)));
-            __m512 o2 = _mm512_add_ps(round_bf(bf16, _mm512_mul_ps(x2, c)),
-                                      round_bf(bf16, _mm512_mul_ps(x1, s)));
-            store16(bf16, x1p + d * esz, m, o1);
-            store16(bf16, x2p + d * esz, m, o2);
-        }
-    }
-}
+                            const int64_t *pos)
+    ROPE_ROW(rotate16, 16)
 
 TARGET void zs_rope(int bf16, void *x, int64_t M, int64_t stride, int64_t heads, int64_t D,
                     const void *cos_sin, const int64_t *pos)
@@ -190,27 +201,22 @@ TARGET_AVX2 void zs_add_rms_norm_avx2(int bf16, const void *x, const void *r, vo
                                       void *y)
     EACH_ROW(M >= 64, norm_row8, x, r, h, w, eps, D, y)
 
+INLINE TARGET_AVX2 void rotate8(const int bf16, const char *cp, const char *sp, char *x1p,
+                                char *x2p, int64_t left) {
+    __m256 c = load8(bf16, cp, left), s = load8(bf16, sp, left);
+    __m256 x1 = load8(bf16, x1p, left), x2 = load8(bf16, x2p, left);
+    __m256 o1 = _mm256_sub_ps(round8(bf16, _mm256_mul_ps(x1, c)),
+                              round8(bf16, _mm256_mul_ps(x2, s)));
+    __m256 o2 = _mm256_add_ps(round8(bf16, _mm256_mul_ps(x2, c)),
+                              round8(bf16, _mm256_mul_ps(x1, s)));
+    store8(bf16, x1p, left, o1);
+    store8(bf16, x2p, left, o2);
+}
+
 INLINE TARGET_AVX2 void rope_row8(const int bf16, int64_t i, void *x, int64_t stride,
                                   int64_t heads, int64_t D, const void *cos_sin,
-                                  const int64_t *pos) {
-    const int64_t esz = bf16 ? 2 : 4, half = D / 2;
-    const char *cs = (const char *)cos_sin + pos[i] * D * esz;
-    for (int64_t hd = 0; hd < heads; hd++) {
-        char *x1p = (char *)x + (i * stride + hd * D) * esz, *x2p = x1p + half * esz;
-        for (int64_t d = 0; d < half; d += 8) {
-            const int64_t left = half - d;
-            __m256 c = load8(bf16, cs + d * esz, left);
-            __m256 s = load8(bf16, cs + (half + d) * esz, left);
-            __m256 x1 = load8(bf16, x1p + d * esz, left), x2 = load8(bf16, x2p + d * esz, left);
-            __m256 o1 = _mm256_sub_ps(round8(bf16, _mm256_mul_ps(x1, c)),
-                                      round8(bf16, _mm256_mul_ps(x2, s)));
-            __m256 o2 = _mm256_add_ps(round8(bf16, _mm256_mul_ps(x2, c)),
-                                      round8(bf16, _mm256_mul_ps(x1, s)));
-            store8(bf16, x1p + d * esz, left, o1);
-            store8(bf16, x2p + d * esz, left, o2);
-        }
-    }
-}
+                                  const int64_t *pos)
+    ROPE_ROW(rotate8, 8)
 
 TARGET_AVX2 void zs_rope_avx2(int bf16, void *x, int64_t M, int64_t stride, int64_t heads,
                               int64_t D, const void *cos_sin, const int64_t *pos)
