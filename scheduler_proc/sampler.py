@@ -172,9 +172,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
 
     probs = torch.softmax(logits / batch.temperatures, dim=-1)
     probs = _filter(probs, batch)
-    total = probs.sum(dim=-1, keepdim=True)
-    probs = probs / total
-    total = total.view(-1)
+    total = probs.sum(dim=-1)                 # draw() takes rows as they are, unnormalized
     stuck |= ~batch.is_greedy & ~((total > 0) & (total < INF))      # NaN fails both
     fallback = None
     if bool(stuck.any()):                     # give stuck rows a one-hot distribution
