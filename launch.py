@@ -491,7 +491,7 @@ def serve(config: ServerConfig, listener: socket.socket,
         children.start_apis(infos["scheduler"], pools)
         children.wait_ready()
         app = build_app(config, dispatcher, infos["scheduler"])
-        server = make_server(app, args, lambda: dispatcher.end_all("The server is shutting down."))
+        server = make_server(app, args, dispatcher)
         server.on_shutdown = children.drain_apis
         exit_code = 0
 

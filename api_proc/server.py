@@ -94,11 +94,16 @@ class Server(uvicorn.Server):
             deadline.cancel()
 
 
-def make_server(app, args: ServerArgs, on_deadline: Callable[[], None]) -> Server:
+SHUTTING_DOWN = "The server is shutting down."
+
+
+def make_server(app, args: ServerArgs, dispatcher) -> Server:
+    """The uvicorn server of an API process: at the shutdown deadline `dispatcher` (its
+    state.Dispatcher) ends what is still in flight with a 503."""
     config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop",
                             log_level=args.log_level, access_log=False,
                             http=header_timeout_protocol(args.read_timeout),
                             timeout_keep_alive=args.keep_alive_timeout,
                             timeout_graceful_shutdown=int(args.shutdown_timeout +
                                                           SHUTDOWN_GRACE))
-    return Server(config, args.shutdown_timeout, on_deadline)
+    return Server(config, args.shutdown_timeout, lambda: dispatcher.end_all(SHUTTING_DOWN))

@@ -34,7 +34,7 @@ def main(config: ServerConfig, addrs: Addresses, index: int, scheduler_info: dic
         dispatcher.expect_replicas(pools)
         dispatcher.log_requests = args.log_requests
         app = build_app(config, dispatcher, scheduler_info)
-        server = make_server(app, args, lambda: dispatcher.end_all("The server is shutting down."))
+        server = make_server(app, args, dispatcher)
         server.capture_signals = contextlib.nullcontext     # the launcher decides
 
         def stop(kind: str) -> None:
