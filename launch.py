@@ -145,8 +145,10 @@ def gguf_sidecar(path: str) -> str:
                        env=env)
     if r.returncode != 0:
         lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
-        last = lines[-1] if lines else f"exit code {r.returncode}"
-        raise StartupError(f"--model-path {path}: {last.split(': ', 1)[-1]}")
+        last = lines[-1].split(": ", 1)[-1] if lines else f"exit code {r.returncode}"
+        for name in (path, str(Path(path).resolve())):      # said once is enough
+            last = last.removeprefix(f"{name}: ")
+        raise StartupError(f"--model-path {path}: {last}")
     return r.stdout.strip().splitlines()[-1]
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import mmap
 import os
 import shutil
@@ -145,7 +146,11 @@ class GGUFHeader:
 
 
 def read_header(path: str | Path) -> GGUFHeader:
-    """Parse a GGUF file's metadata and tensor table (v2 and v3, little-endian)."""
+    """Parse a GGUF file's metadata and tensor table (v2 and v3, little-endian).
+
+    Every count and length the header states (entries, strings, arrays, dimensions) is
+    checked against the bytes left in the file before anything is read or allocated by it:
+    a corrupt or hostile file is a ValueError naming the file and the bad value."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     path = Path(path)
@@ -156,30 +161,46 @@ def read_header(path: str | Path) -> GGUFHeader:
             raise ValueError(f"{path}: empty file, not a GGUF file") from None
     if buf[:4] != _GGUF_MAGIC:
         raise ValueError(f"{path}: not a GGUF file (it does not start with b'GGUF')")
+    size = len(buf)
     try:
         version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
         if version not in (2, 3):
             raise ValueError(f"{path}: GGUF version {version} is not supported "
                              f"(zserve reads v2 and v3, little-endian)")
         pos, metadata = 24, {}
+        _check_count(path, n_kv, "metadata entries", _MIN_KV_BYTES, size - pos)
+        _check_count(path, n_tensors, "tensors", _MIN_TENSOR_BYTES, size - pos)
         for _ in range(n_kv):
-            key, pos = _read_str(buf, pos)
+            try:
+                key, pos = _read_str(buf, pos)
+            except ValueError as exc:
+                raise ValueError(f"{path}: metadata key: {exc}") from None
             (vtype,) = struct.unpack_from("<I", buf, pos)
             try:
                 metadata[key], pos = _read_value(buf, pos + 4, vtype)
             except ValueError as exc:
                 raise ValueError(f"{path}: {exc} (key {key})") from None
+        _check_count(path, n_tensors, "tensors", _MIN_TENSOR_BYTES, size - pos)
         entries = []
-        for _ in range(n_tensors):
-            name, pos = _read_str(buf, pos)
+        for i in range(n_tensors):
+            try:
+                name, pos = _read_str(buf, pos)
+            except ValueError as exc:
+                raise ValueError(f"{path}: tensor {i}'s name: {exc}") from None
             (n_dims,) = struct.unpack_from("<I", buf, pos)
+            if n_dims > _MAX_DIMS:
+                raise ValueError(f"{path}: tensor {name} has {n_dims} dimensions; GGUF "
+                                 f"allows at most {_MAX_DIMS} (a corrupt file?)")
             dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
             ggml_type, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
             pos += 4 + 8 * n_dims + 12
             entries.append((name, tuple(reversed(dims)), ggml_type, offset))
-    except struct.error:
+    except (struct.error, OverflowError):       # no count above lets either happen
         raise ValueError(f"{path}: truncated or corrupt GGUF header") from None
-    align = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+    align = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if type(align) is not int or not 0 < align <= size or align & (align - 1):
+        raise ValueError(f"{path}: general.alignment {align!r} is not a power of two that "
+                         f"fits the file")
     data_start = -(-pos // align) * align
     tensors = {}
     for name, shape, ggml_type, offset in entries:
@@ -189,17 +210,39 @@ def read_header(path: str | Path) -> GGUFHeader:
             raise ValueError(f"{path}: tensor {name} has ggml type {ggml_type}, which the gguf "
                              f"library does not know; supported: {', '.join(supported_types())}"
                              ) from None
-        n = int(np.prod(shape))
+        n = math.prod(shape)                    # Python ints: a forged shape cannot wrap
         info = TensorInfo(name, shape, ggml_type, data_start + offset, n // block * type_size)
-        if info.offset + info.nbytes > len(buf):
+        if info.offset + info.nbytes > size:
             raise ValueError(f"{path}: tensor {name} lies past the end of the file (truncated?)")
         tensors[name] = info
     return GGUFHeader(path, metadata, tensors, buf)
 
 
-def _read_str(buf, pos: int) -> tuple[str, int]:
+# The fewest bytes a header entry can take: a metadata pair (key length, value type, a
+# one-byte value) and a tensor (name length, dimension count, type, offset).
+_MIN_KV_BYTES, _MIN_TENSOR_BYTES = 8 + 4 + 1, 8 + 4 + 4 + 8
+_MAX_DIMS = 4                                   # GGML_MAX_DIMS
+
+
+def _check_count(path: Path, count: int, what: str, each: int, left: int) -> None:
+    if count * each > left:
+        raise ValueError(f"{path}: the GGUF header claims {count} {what}, more than the "
+                         f"{left} bytes left in the file can hold (at least {each} bytes "
+                         f"each): the file is corrupt or truncated")
+
+
+def _str_end(buf, pos: int) -> int:
+    """Where the string at `pos` (a uint64 length, then its bytes) ends."""
     (n,) = struct.unpack_from("<Q", buf, pos)
-    return buf[pos + 8:pos + 8 + n].decode("utf-8", errors="replace"), pos + 8 + n
+    if n > len(buf) - pos - 8:
+        raise ValueError(f"a string of {n} bytes at byte {pos} runs past the end of the file "
+                         f"({len(buf)} bytes)")
+    return pos + 8 + n
+
+
+def _read_str(buf, pos: int) -> tuple[str, int]:
+    end = _str_end(buf, pos)
+    return buf[pos + 8:end].decode("utf-8", errors="replace"), end
 
 
 def _read_value(buf, pos: int, vtype: int):
@@ -214,13 +257,18 @@ def _read_value(buf, pos: int, vtype: int):
     if vtype == _ARRAY:
         item_type, count = struct.unpack_from("<IQ", buf, pos)
         pos += 12
+        each = struct.calcsize("<" + _SCALARS[item_type]) if item_type in _SCALARS else 8
+        if count * each > len(buf) - pos:
+            raise ValueError(f"an array of {count} items at byte {pos - 12} runs past the end "
+                             f"of the file ({len(buf)} bytes)")
         if item_type in _SCALARS:
             fmt = f"<{count}{_SCALARS[item_type]}"
             return list(struct.unpack_from(fmt, buf, pos)), pos + struct.calcsize(fmt)
         if item_type == _STRING:                # walk past it; keep its length only
             for _ in range(count):
-                pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
+                pos = _str_end(buf, pos)
             return count, pos
+        raise ValueError(f"arrays of GGUF metadata value type {item_type} are not supported")
     raise ValueError(f"unknown GGUF metadata value type {vtype}")
 
 
