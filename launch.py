@@ -137,6 +137,9 @@ def gguf_sidecar(path: str) -> str:
     cached = gguf_sidecar_dir(Path(path))
     if (cached / SIDECAR_FILE).is_file():
         return str(cached)
+    log.info("first start with %s: writing its config and tokenizer files into %s "
+             "(transformers converts the tokenizer: seconds; later starts reuse them)",
+             path, cached)
     code = ("import sys\nfrom scheduler_proc.models.gguf import materialize\n"
             "print(materialize(sys.argv[1]))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(

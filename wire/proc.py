@@ -4,7 +4,12 @@ and dying (tidily) with the launcher.
 A child reports readiness (or the exception that stopped it) to launch.py over a pipe with
 msgpack bytes; nothing is pickled. Children ignore SIGINT and SIGTERM: launch.py owns
 shutdown (a Ctrl-C or a `kill` of the whole process group must not look like a crashed
-child) and stops them with SIGKILL; they hold nothing that needs flushing.
+child) and stops them with SIGKILL; they hold nothing that needs flushing. Nor anything
+the system keeps for them: no multiprocessing Lock, Event, Queue or Semaphore (each is a
+named POSIX semaphore, unlinked only by a finalizer that a SIGKILLed or `os._exit`ed
+process never runs, so the launcher's resource tracker would report it leaked at every
+shutdown). tqdm makes one for its first bar unless given a lock: the GGUF loader gives it
+a thread lock.
 
 Children die with their parent, and leave no ipc directory behind. A launcher that exits
 normally stops its children and removes the directory itself; a SIGKILLed one cannot, so

@@ -44,6 +44,7 @@ import os
 import shutil
 import struct
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -571,6 +572,10 @@ def load_weights(header: GGUFHeader, config, params: dict[str, torch.Tensor],
     order = sorted(targets, key=lambda k: -header.tensors[k].nbytes)     # big ones first
     total = sum(header.tensors[k].nbytes for k in order)
     workers = max(1, min(4, os.cpu_count() or 1))
+    # A thread lock for the bar: tqdm's default adds a multiprocessing lock, a named
+    # semaphore that a server child never unlinks (launch.py stops children with SIGKILL,
+    # see wire/proc.py), so every shutdown warned of a "leaked semaphore".
+    tqdm.set_lock(threading.RLock())
     with tqdm(total=total, desc=f"Loading {name}", unit="B", unit_scale=True,
               delay=1.0, leave=True) as bar, ThreadPoolExecutor(workers) as pool:
         for nbytes in pool.map(load_one, order):    # numpy and torch release the GIL
