@@ -50,6 +50,20 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each flag's default said once: "(default: X)" is added unless the help text already
+    says what the default is, or there is nothing to say (None: the flag is unset unless
+    given; a switch: off unless given). Flags with a fixed set of values show it
+    (`--dtype {auto,float32,bfloat16,float16}`)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text.lower():
+            return text
+        text, stop = (text[:-1], ".") if text.endswith(".") else (text, "")
+        return f"{text} (default: %(default)s){stop}"
+
+
 def flag_type(annotation) -> type:
     """The type argparse converts a flag's value to: `int` for `int` and for `int | None`."""
     kinds = [t for t in typing.get_args(annotation) or (annotation,) if t is not type(None)]
@@ -165,7 +179,7 @@ class ServerArgs:
         """Every field is a flag; its type comes from the field's type (flag_type)."""
         parser = _Parser(prog="launch.py", description="zserve: an LLM server (SGLang-style "
                          "processes over ZeroMQ).",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=_HelpFormatter)
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             meta = {**f.metadata, "help": f.metadata["help"].replace("%", "%%")}
@@ -173,8 +187,9 @@ class ServerArgs:
             if kind is bool:
                 parser.add_argument(flag, action="store_true", **meta)
             else:
-                parser.add_argument(flag, type=kind, default=f.default,
-                                    metavar=f.name.upper(), **meta)
+                if "choices" not in meta:           # argparse then shows {the,choices}
+                    meta["metavar"] = f.name.upper()
+                parser.add_argument(flag, type=kind, default=f.default, **meta)
         return parser
 
     @classmethod
