@@ -28,7 +28,7 @@ Choices made where OpenAI, vLLM and SGLang leave room (README lists them):
 - Structured outputs, on both routes: `response_format` {"type": "json_object"} (any JSON
   object) or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}} (the
   schema is always enforced, whatever `strict` says), and SGLang's extra fields `regex`,
-  `ebnf`, `json_schema`; at most one constraint per request (scheduler_proc/grammar.py).
+  `ebnf`, `json_schema`; at most one constraint per request (grammars/llg.py).
 - finish_reason: length -> "length", stop -> "stop" (plus SGLang's `matched_stop`), an abort
   with no HTTP status (e.g. /abort_request) -> "abort"; an abort with a status is an error
   response, or an `{"error": ...}` event in a stream that has started.

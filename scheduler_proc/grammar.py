@@ -1,16 +1,21 @@
-r"""Constrained decoding with llguidance: a request's `json_schema`, `regex` or `ebnf` becomes
-a grammar over the model's tokens, and the sampler may only pick tokens the grammar allows.
+"""Constrained decoding in the scheduler: compiled grammars over the model's tokens, and the
+sampler's masks. The grammars themselves (conversion, limits, the checker process) are the
+shared package `grammars`, which the tokenizer uses too.
 
 Where each part runs:
-- `validate(kind, text)`: the tokenizer worker, before the request reaches the scheduler. It
-  checks the grammar itself (no tokenizer: ~1 ms) so a bad one is a 400 naming the problem.
-  No torch here: the tokenizer process imports this module.
-- `GrammarCompiler.compile(key)`: the scheduler. Building a matcher over the vocabulary
-  (lexer, token trie) runs on a small thread pool, not on the scheduler's loop (llguidance
-  drops the GIL while it builds); compiled grammars are cached by their text, LRU-bounded
-  (a failed compile is cached too). The request waits, holding no KV, until its future is
-  done (scheduler.py `compiling`); each request then gets its own copy of the compiled
-  matcher (`matcher`, a deep copy: microseconds).
+- the tokenizer worker checks a request's grammar first (grammars.checker, in a child
+  process), so a bad one is a 400 before the request is queued.
+- `GrammarCompiler.compile(key)`: the scheduler. A grammar not in its cache is checked again
+  in the scheduler's own checker process (anyone who can reach the scheduler's socket can
+  forge a request, so nothing the tokenizer said is trusted), then its matcher is built over
+  the vocabulary (lexer, token trie) on a thread of grammars.llg.COMPILE_STACK bytes, off
+  the scheduler's loop (llguidance drops the GIL while it builds), and its first mask is
+  computed so that a grammar past llguidance's own limits is a 400 before the request is
+  queued. Compiled grammars are cached by their text, LRU-bounded (a failed compile is
+  cached too). Compile threads run at a lower OS priority (COMPILE_NICE): a big grammar
+  takes the CPU the model's steps leave, not theirs. The request waits, holding no KV,
+  until its future is done (scheduler.py `compiling`); each request then gets its own copy
+  of the compiled matcher (`matcher`, a deep copy: microseconds).
 - `fill_bitmask(matchers)`: the sampler, every step (runner.py `_sample` via
   sampler.constrain): one bit per token, 1 where the grammar allows it. Only rank 0 samples,
   so tensor parallelism needs nothing more.
@@ -20,16 +25,6 @@ Invariant (kept by the scheduler): a request's matcher has consumed exactly its 
 in order. A retracted request keeps its output ids (it is recomputed, not regenerated), so
 its matcher stays as it is; `Matcher.sync` rebuilds it from the output ids if they ever
 differ.
-
-JSON is generated without free whitespace, with json.dumps' separators (", " and ": "): a
-small model allowed any whitespace can loop on newlines until its length limit (xgrammar's
-`any_whitespace` has the same failure). A schema can opt in with llguidance's own key,
-`"x-guidance": {"whitespace_flexible": true}`. Keywords llguidance does not implement are
-an error (its `lenient` option stays off): nothing in a schema is silently ignored.
-
-A regex is matched whole (as if anchored), in Rust's regex syntax, with `\d`, `\w` and `\s`
-meaning their ASCII classes (as in xgrammar and JSON Schema patterns): with Unicode classes
-`\d{4}` let a model write "🯸🯸🯸🯸" (U+1FBF8, a segmented digit) for a year.
 """
 
 from __future__ import annotations
@@ -39,85 +34,41 @@ import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import lru_cache
+
+from grammars.checker import Checker
+from grammars.llg import (COMPILE_STACK, GrammarError, error, first_error, is_limit, on_stack,
+                          to_llguidance)
 
 log = logging.getLogger(__name__)
 
-ASCII_CLASSES = "dws"       # regex \d, \w, \s mean [0-9], [0-9a-zA-Z_], [ \t\n\r\f\v]
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 COMPILE_THREADS = 2         # the scheduler's compile pool
+COMPILE_NICE = 10           # added to a compile thread's OS nice value
 CACHE_SIZE = 128            # compiled grammars kept per scheduler (LRU)
-VALIDATE_CACHE_CHARS = 65536    # the tokenizer caches verdicts on grammars up to this long
-MAX_ERROR_CHARS = 1000      # of an llguidance error quoted back to a client
-KIND_NAMES = {"json_schema": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar"}
 
-
-class GrammarError(ValueError):
-    """A grammar that does not compile; the message is shown to the client (400)."""
-
-
-def _error(kind: str, message: str) -> GrammarError:
-    message = message.strip()
-    if len(message) > MAX_ERROR_CHARS:
-        message = message[:MAX_ERROR_CHARS] + "..."
-    return GrammarError(f"The {KIND_NAMES.get(kind, kind)} does not compile: {message}")
-
-
-def to_llguidance(kind: str, text: str) -> str:
-    """The llguidance grammar for a request's constraint (kind: a wire.sampling.GRAMMAR_KEYS
-    name). Raises GrammarError where the conversion itself fails."""
-    import llguidance
-    from llguidance import LLMatcher
-    try:
-        if kind == "json_schema":
-            return LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
-        if kind == "regex":             # \d \w \s are ASCII (module docstring)
-            return LLMatcher.grammar_from_lark(
-                f"start: /{llguidance.regex_to_lark(text, ASCII_CLASSES)}/")
-        if kind == "ebnf":              # GBNF (llama.cpp's, xgrammar's) or Lark
-            return llguidance.grammar_from("ebnf", text)
-    except ValueError as e:
-        raise _error(kind, str(e)) from None
-    raise GrammarError(f"Unknown constraint kind {kind!r}.")
-
-
-def validate(kind: str, text: str) -> None:
-    """Raise GrammarError if the grammar does not compile (checked without a tokenizer, so
-    a few grammars that hit a limit only with the vocabulary fail later, in the scheduler,
-    still as a 400)."""
-    message = _verdict(kind, text) if len(text) <= VALIDATE_CACHE_CHARS else \
-        _verdict.__wrapped__(kind, text)
-    if message:
-        raise GrammarError(message)
-
-
-@lru_cache(maxsize=256)
-def _verdict(kind: str, text: str) -> str:
-    """"" if the grammar is valid, else the client-facing error."""
-    from llguidance import LLMatcher
-    try:
-        problem = LLMatcher.validate_grammar(to_llguidance(kind, text))
-    except GrammarError as e:
-        return str(e)
-    return str(_error(kind, problem)) if problem else ""
+__all__ = ["GrammarCompiler", "GrammarError", "Matcher", "fill_bitmask"]
 
 
 class Matcher:
     """One request's position in its grammar. `consumed`: tokens consumed so far."""
 
-    __slots__ = ("m", "template", "consumed", "n_vocab")
+    __slots__ = ("m", "template", "consumed", "n_vocab", "limit_error")
 
     def __init__(self, template, n_vocab: int):
         self.template = template        # the compiled, never-advanced matcher (shared)
         self.m = template.deep_copy()
         self.consumed = 0
+        self.limit_error = ""
         self.n_vocab = n_vocab          # the bitmask's width in tokens
 
     def consume(self, token: int) -> bool:
         """Advance by a sampled token; False if the grammar does not allow it (the matcher
-        is then in an error state: see `error`)."""
+        is then in an error state: see `error` and `limit_error`)."""
         self.consumed += 1
-        return self.m.consume_token(token)
+        ok = self.m.consume_token(token)
+        # The mask allowed the token, so a refusal is llguidance running past one of its
+        # limits (the grammar's fault, a 400) where its error says so.
+        self.limit_error = "" if ok or not is_limit(self.m.get_error()) else self.m.get_error()
+        return ok
 
     @property
     def stopped(self) -> bool:
@@ -152,10 +103,12 @@ class GrammarCompiler:
         self.eos_ids = list(eos_ids)
         self.cache_size = cache_size
         self.cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar",
+                                       initializer=_lower_priority)
         self._tokenizer = None
         self._n_vocab = vocab_size
         self._lock = threading.Lock()
+        self.checker = Checker()        # this scheduler's own: it trusts no tokenizer
         self.compiled_total = 0         # compiles started (cache misses)
 
     def compile(self, key: tuple[str, str]) -> Future:
@@ -178,14 +131,15 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.checker.close()
 
     def _build(self, kind: str, text: str):
-        from llguidance import LLMatcher
-        grammar = to_llguidance(kind, text)
-        m = LLMatcher(self.tokenizer(), grammar, log_level=0)
-        if m.is_error():
-            raise _error(kind, m.get_error())
-        return m
+        """On a pool thread: check in the child, then build on a big stack (module doc)."""
+        verdict = self.checker.check(kind, text)
+        if verdict:
+            raise GrammarError(verdict)
+        tokenizer = self.tokenizer()
+        return on_stack(COMPILE_STACK, _matcher, kind, text, tokenizer)
 
     def tokenizer(self):
         with self._lock:
@@ -202,6 +156,26 @@ class GrammarCompiler:
                                                          n_vocab=self._n_vocab, eos_token=eos)
                 log.info("grammar tokenizer ready (%d tokens)", self._n_vocab)
             return self._tokenizer
+
+
+def _matcher(kind: str, text: str, tokenizer):
+    from llguidance import LLMatcher
+    m = LLMatcher(tokenizer, to_llguidance(kind, text), log_level=0)
+    problem = first_error(m)
+    if problem:
+        raise error(kind, problem)
+    return m
+
+
+def _lower_priority() -> None:
+    """This thread's nice value COMPILE_NICE higher than the process's (Linux: per thread;
+    the threads it starts inherit it)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid)
+                                                  + COMPILE_NICE))
+    except (OSError, AttributeError):
+        pass
 
 
 # ---- the sampler's side -----------------------------------------------------------------------

@@ -32,11 +32,12 @@ CUDA error other than out-of-memory (runner.leaves_device_unknown).
 Constrained decoding (grammar.py): a request with a json_schema, regex or ebnf first waits
 in `compiling`, holding no KV, while the `grammars` compiler builds its matcher on a thread
 pool (cached by the grammar's text); it joins the queue once the matcher is ready, or ends
-with a 400 if the grammar does not compile. Aborts and releases reach it there like anywhere
-else. While nothing else can run the loop blocks on the compiles (GRAMMAR_WAIT at a time),
+with a 400 if the grammar does not compile (or its checker refuses it). Aborts and releases
+reach it there like anywhere else. While nothing else can run the loop blocks on the compiles (GRAMMAR_WAIT at a time),
 never spinning. After each sampled token the request's matcher consumes it; a grammar that
 is complete ends the request with finish reason stop (matched: that token), also when the
-same token reaches max_new_tokens. A retracted request keeps its output ids, so its matcher
+same token reaches max_new_tokens; a token the matcher cannot take because llguidance ran
+past one of its limits ends the request with a 400 naming it. A retracted request keeps its output ids, so its matcher
 stays valid (Matcher.sync checks).
 
 Overload (--max-queued-requests N): of the requests that arrived with a step's messages,
@@ -59,6 +60,7 @@ from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from typing import Callable
 
+from grammars.llg import client_message
 from scheduler_proc.grammar import GrammarError
 from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.request import Req
@@ -336,8 +338,16 @@ class Scheduler:
         reason it ends now, if it does."""
         if req.grammar is None:
             return None
-        if not req.grammar.consume(token):        # the mask allowed it: never expected
-            log.error("the grammar of %r rejected sampled token %d: %s",
+        if not req.grammar.consume(token):
+            if req.grammar.limit_error:           # its mask ran past a limit: the grammar's
+                log.info("the grammar of %r hit a limit after %d tokens: %s",
+                         req.rid[:LOG_RID_CHARS], len(req.output_ids) - 1,
+                         req.grammar.limit_error)
+                return FinishReason(type="abort", status_code=400, message=(
+                    f"The grammar ran past a limit of the grammar engine after "
+                    f"{len(req.output_ids) - 1} tokens: "
+                    f"{client_message(req.grammar.limit_error)}"))
+            log.error("the grammar of %r rejected sampled token %d: %s",   # never expected
                       req.rid[:LOG_RID_CHARS], token, req.grammar.error)
             return FinishReason(type="abort", status_code=500,
                                 message=f"Internal error: the grammar rejected sampled token "

@@ -12,7 +12,7 @@ The schemas bound every output (maxLength on strings, maxItems on arrays, bounds
 multipleOf on the one number: a number without it may take any number of decimals, and a
 random model does take dozens), so the grammar itself ends each output well within
 max_new_tokens: every output must finish with "stop", deterministically. JSON is generated
-without free whitespace (scheduler_proc/grammar.py), so no model can wander in newlines.
+without free whitespace (grammars/llg.py), so no model can wander in newlines.
 """
 
 from __future__ import annotations

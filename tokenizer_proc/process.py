@@ -8,9 +8,12 @@ terminal output with status 400, the same path as any other output; an unexpecte
 while handling one request (a bug here) ends that request with a 500 and a logged
 traceback, never the process. Aborts pass through to the scheduler in order.
 
-A json_schema, regex or ebnf constraint is checked here to compile
-(scheduler_proc/grammar.validate: ~1 ms, verdicts cached), so a bad grammar is a 400 before
-the request is queued; the scheduler then compiles it over the vocabulary.
+A json_schema, regex or ebnf constraint is checked here to compile, so a bad grammar is a
+400 before the request is queued; the scheduler then compiles it over the vocabulary. The
+check runs in this worker's grammar checker, a child process (grammars/checker.py: a grammar
+that crashes llguidance kills only the child, and is a 400), while the worker goes on with
+other requests: a request waits for its grammar's verdict in `parked` (verdicts are cached,
+so a grammar seen before costs nothing), then is tokenized and sent on as any other.
 
 With --tokenizer-worker-num N there are N such processes, each with its own inbox; the
 API's one PUSH socket hands them messages in turn. Order then holds per worker only: an
@@ -33,7 +36,7 @@ from pathlib import Path
 
 import zmq
 
-from scheduler_proc.grammar import validate as validate_grammar
+from grammars.checker import Checker, Verdicts
 from tokenizer_proc.hf_tokenizer import HFTokenizer
 from wire.addresses import Addresses, worker_title
 from wire.codec import TOKENIZER_INBOX, encode
@@ -52,6 +55,14 @@ MAX_ERROR_CHARS = 1000   # of an exception's text quoted back to a client
 
 class RequestError(ValueError):
     """A request the client got wrong; its message is shown to the client."""
+
+
+class NeedsCheck(Exception):
+    """The request's grammar has no verdict yet: the worker parks it until the checker's."""
+
+    def __init__(self, kind: str, text: str):
+        super().__init__(kind)
+        self.kind, self.text = kind, text
 
 
 def load_chat_template(arg: str | None) -> str | None:
@@ -186,6 +197,7 @@ class Tokenizer:
             self.tok.chat_template = chat_template
         self.vocab_size = vocab_size
         self.context_len = context_len
+        self.verdicts = Verdicts()          # the grammar checker's, by grammar
         bound = chars_per_token_bound(self.tok)
         # Invariant: a text longer than this has more than context_len tokens (None: no
         # such length is known, every text is tokenized).
@@ -222,10 +234,14 @@ class Tokenizer:
         try:
             s.verify_vocab(self.vocab_size)
             s.verify_grammar()
-            if s.grammar is not None:
-                validate_grammar(*s.grammar)      # a grammar that does not compile: 400
         except ValueError as e:
             raise RequestError(str(e)) from None
+        if s.grammar is not None:
+            verdict = self.verdicts.get(*s.grammar)
+            if verdict is None:
+                raise NeedsCheck(*s.grammar)
+            if verdict:                           # a grammar that does not compile: 400
+                raise RequestError(verdict)
         lp = req.logprob
         if lp is not None:
             if not 0 <= lp.top_logprobs_num <= MAX_TOP_LOGPROBS:
@@ -326,17 +342,41 @@ def error_frame(rid: str, message: str, status_code: int) -> bytes:
 class Worker:
     """What the tokenizer process does with each inbox message, without sockets.
 
-    `handle(msg)` returns (destination, frame) or None (dropped) and never raises; the
+    `handle(msg)` returns (destination, frame) or None (dropped, or parked until its grammar's
+    verdict: `collect()` returns what parked requests become) and never raises; the
     destination is SCHEDULER or the index of the API process that owns the request.
     Counters: `rejected` (requests answered with a 400), `failed` (answered with a 500:
     a bug here), `dropped` (messages that are not for the tokenizer, or that name an API
     process that does not exist).
     """
 
-    def __init__(self, tokenizer: Tokenizer, api_servers: int = 1):
+    def __init__(self, tokenizer: Tokenizer, api_servers: int = 1,
+                 checker: Checker | None = None):
         self.tokenizer = tokenizer
         self.api_servers = api_servers
+        self.checker = checker if checker is not None else Checker()
+        # check number -> the grammar and the requests waiting for its verdict
+        self.parked: dict[int, tuple[str, str, list[GenerateRequest]]] = {}
         self.rejected = self.failed = self.dropped = 0
+
+    def collect(self) -> list[tuple[int, bytes]]:
+        """What the parked requests whose grammar now has a verdict become (never blocks)."""
+        out = []
+        for seq, verdict in self.checker.collect():
+            kind, text, reqs = self.parked.pop(seq)
+            self.tokenizer.verdicts.put(kind, text, verdict)
+            for req in reqs:
+                routed = self.handle(req)
+                if routed is not None:
+                    out.append(routed)
+        return out
+
+    def _park(self, req: GenerateRequest, kind: str, text: str) -> None:
+        same = next((p for p in self.parked.values() if p[0] == kind and p[1] == text), None)
+        if same is not None:
+            same[2].append(req)             # the same grammar is being checked already
+        else:
+            self.parked[self.checker.submit(kind, text)] = (kind, text, [req])
 
     def handle(self, msg) -> tuple[int, bytes] | None:
         try:
@@ -353,6 +393,9 @@ class Worker:
     def _generate(self, msg: GenerateRequest) -> tuple[int, bytes]:
         try:
             return SCHEDULER, encode(self.tokenizer.tokenize(msg))
+        except NeedsCheck as e:
+            self._park(msg, e.kind, e.text)
+            return None
         except RequestError as e:
             self.rejected += 1
             log.info("rejected request %s (%d so far): %s", msg.rid, self.rejected, e)
@@ -372,6 +415,19 @@ def make_worker(config: ServerConfig) -> Worker:
                   config.args.api_server_count)
 
 
+def wait(inbox: Inbox, checker: Checker) -> list:
+    """The inbox's messages, blocking until there are some, or until the grammar checker has
+    a verdict (or its current check runs out of time) while checks are pending."""
+    fd = checker.fileno()
+    if fd is None:
+        return inbox.recv(timeout_ms=None)
+    poller = zmq.Poller()
+    poller.register(inbox.sock, zmq.POLLIN)
+    poller.register(fd, zmq.POLLIN)
+    poller.poll(max(1, int(checker.wait_s() * 1000) + 1))
+    return inbox.recv(timeout_ms=0)
+
+
 def main(config: ServerConfig, addrs: Addresses, index: int, conn: Connection) -> None:
     """Tokenizer worker `index` of --tokenizer-worker-num: binds its own inbox; every worker
     pushes to the same scheduler and API inboxes (PULL sockets fair-queue their peers)."""
@@ -385,8 +441,8 @@ def main(config: ServerConfig, addrs: Addresses, index: int, conn: Connection) -
                     **{k: Outbox(ctx, a) for k, a in enumerate(addrs.api)}}
         ready()
         while True:
-            for msg in inbox.recv(timeout_ms=None):
-                routed = worker.handle(msg)
+            for routed in [worker.handle(m) for m in wait(inbox, worker.checker)] + \
+                    worker.collect():
                 if routed is not None:
                     outboxes[routed[0]].send_frame(routed[1])
     run_child(name, config.args.log_level, conn, body, ipc_dir=addrs.ipc_dir)

@@ -13,8 +13,10 @@ Differences from SGLang, on purpose:
 - SGLang parameters we do not implement (stop_regex, structural_tag, ...) are a 400 unless
   null.
 - Constrained decoding: at most one of `json_schema` (a JSON object, or a string holding
-  one), `regex`, `ebnf`. The schema travels as compact JSON text; whether a grammar compiles
-  is checked by the tokenizer worker (scheduler_proc/grammar.py), not here.
+  one, at most MAX_SCHEMA_DEPTH levels deep), `regex`, `ebnf`, each at most
+  MAX_GRAMMAR_CHARS long. The schema travels as compact JSON text; whether a grammar
+  compiles is checked by the tokenizer worker and the scheduler (the grammars package), not
+  here.
 - `stop` is always a list (a str becomes [str]); empty stop strings are rejected.
 - Values the scheduler's float32 sampling cannot carry are a 400 too: a temperature above the
   float32 maximum, and a top_p or repetition_penalty below the smallest normal float32
@@ -40,6 +42,7 @@ MAX_STOP_STRINGS = 32
 MAX_N = 128             # parallel samples per prompt (OpenAI's limit)
 MAX_STOP_LENGTH = 256   # characters; the detokenizer keeps every prefix of each stop string
 MAX_GRAMMAR_CHARS = 1_000_000   # of a json_schema, regex or ebnf text
+MAX_SCHEMA_DEPTH = 64           # levels of JSON nesting (objects and arrays) in a json_schema
 GRAMMAR_KEYS = ("json_schema", "regex", "ebnf")
 
 
@@ -75,7 +78,7 @@ class SamplingParams(WireStruct):
     sampling_seed: int | None = None
     logit_bias: dict[str, float] | None = None      # token id (decimal str) -> added logit
     # Constrained decoding (at most one): a JSON schema as JSON text, a regex, an EBNF
-    # (GBNF or Lark) grammar. The output is then a whole match (scheduler_proc/grammar.py).
+    # (GBNF or Lark) grammar. The output is then a whole match (grammars/llg.py).
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -146,7 +149,7 @@ class SamplingParams(WireStruct):
     def verify_grammar(self) -> None:
         """The shape of the constraint fields (non-empty strings, a schema that is JSON);
         at most one being set is `_verify`'s check, and whether the grammar compiles is
-        scheduler_proc/grammar.py's to say."""
+        the grammars package's to say."""
         for kind in GRAMMAR_KEYS:
             if getattr(self, kind) is not None:
                 _GRAMMAR_PARSERS[kind](kind, getattr(self, kind))
@@ -304,17 +307,38 @@ def _grammar_text(key: str, v: Any) -> str:
     return v
 
 
+def _json_depth(v: Any) -> int:
+    """Levels of nesting of a JSON value (a scalar: 0), without recursion."""
+    depth, level = 0, [(v, 1)]
+    while level:
+        node, d = level.pop()
+        children = node.values() if type(node) is dict else node if type(node) is list else ()
+        for child in children:
+            if type(child) in (dict, list):
+                level.append((child, d + 1))
+        depth = max(depth, d if type(node) in (dict, list) else 0)
+    return depth
+
+
 def _json_schema(key: str, v: Any) -> str:
-    """A schema object as compact JSON text; a string must hold one."""
+    """A schema object as compact JSON text; a string must hold one. At most
+    MAX_SCHEMA_DEPTH levels deep (checked before anything recurses over it: json.dumps,
+    the grammar compiler)."""
+    too_deep = SamplingError(key, f"{key} may be nested at most {MAX_SCHEMA_DEPTH} levels "
+                                  f"deep (objects and arrays).")
     if type(v) is str:
         _grammar_text(key, v)
         try:
             v = json.loads(v)
+        except RecursionError:
+            raise too_deep from None
         except ValueError as e:
             raise SamplingError(key, f"{key} is not valid JSON: {e}.") from None
     if type(v) is not dict:
         raise SamplingError(key, f"{key} must be a JSON object (a JSON Schema), got "
                                  f"{_json_type(v)}.")
+    if _json_depth(v) > MAX_SCHEMA_DEPTH:
+        raise too_deep
     try:
         text = json.dumps(v, separators=(",", ":"), allow_nan=False)   # ASCII: no lone surrogate
     except ValueError as e:                              # NaN / Infinity in the schema
