@@ -29,14 +29,23 @@ class BadRequest(ValueError):
         self.status = status
 
 
+# Characters that some line readers take for line ends (Python's str.splitlines, hence
+# httpx's iter_lines; JavaScript before ES2019) and that json.dumps leaves as they are (it
+# escapes those below U+0020 already): escaped in JSON text, where they can only stand
+# inside strings, so that an SSE frame stays one line to every client.
+_LINE_BREAKERS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028",
+                                "\u2029": "\\u2029"})
+
+
 def dumps(obj: Any) -> str:
-    """JSON text that always encodes to UTF-8 (lone surrogates are escaped)."""
+    """JSON text that always encodes to UTF-8 (lone surrogates are escaped) and holds no
+    character a line reader splits on but \\n (_LINE_BREAKERS)."""
     text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         text = json.dumps(obj, ensure_ascii=True, separators=(",", ":"))
-    return text
+    return text.translate(_LINE_BREAKERS)
 
 
 class JSONResponse(_StarletteJSONResponse):
