@@ -33,6 +33,8 @@ models/qwen2/tokenization_qwen2.py, utils/chat_template_utils.py):
   in an ImmutableSandboxedEnvironment(trim_blocks, lstrip_blocks) with loopcontrols,
   `{% generation %}`, the tojson filter, the raise_exception / strftime_now / dict /
   namespace globals, and the special tokens (bos_token, eos_token, ...) as variables.
+  Unlike transformers, a render is bounded in time and size (TemplateLimitError; see
+  "chat templates: bounded").
 
 generation_config.json is not read: nothing a tokenizer does depends on it (the scheduler
 reads its eos ids). Not thread-safe to mutate; encode and decode do not mutate.
@@ -40,7 +42,12 @@ reads its eos ids). Not thread-safe to mutate; encode and decode do not mutate.
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import json
+import re
+import string
+import time
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -55,6 +62,11 @@ NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
 # models/qwen2/tokenization_qwen2.py
 _QWEN2_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}"""
                 r"""\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+# A chat template's render, bounded (see "chat templates: bounded" below): past either
+# limit it fails with TemplateLimitError.
+RENDER_SECONDS = 5.0        # 100k tiny messages (an 8 MB body) render in ~1.5 s on a busy core
+RENDER_CHARS = 1 << 26      # 64 Mi characters: past any context window's worth of text
 
 
 class HFTokenizer:
@@ -74,6 +86,7 @@ class HFTokenizer:
         self._special = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self._extra = list(extra_special_tokens)
         self.chat_template = chat_template      # str, {name: str}, or None
+        self.render_seconds, self.render_chars = RENDER_SECONDS, RENDER_CHARS
         self._clean_up = clean_up_tokenization_spaces and (
             clean_up_for_bpe or type(backend.model).__name__ != "BPE")
         backend.no_truncation()
@@ -201,13 +214,17 @@ class HFTokenizer:
         to be encoded with add_special_tokens=False. `tools`: OpenAI tool definitions, for
         templates that render them; `template_kwargs`: extra template variables (a chat
         request's chat_template_kwargs, e.g. enable_thinking). Raises ValueError without a
-        template, jinja2's errors (TemplateError from raise_exception) on a failing one."""
+        template, jinja2's errors (TemplateError from raise_exception) on a failing one,
+        TemplateLimitError on one that runs past `render_seconds` or whose output (or any
+        value it builds) would pass `render_chars` characters (see "chat templates:
+        bounded"). The bounds are attributes, not arguments: template_kwargs come from
+        clients."""
         template = self._template(tools)
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         variables = {**self.special_tokens_map, **template_kwargs}
-        return _compile(template).render(messages=messages, tools=tools, documents=None,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **variables)
+        return _render(_compile(template), _Budget(self.render_seconds, self.render_chars),
+                       messages=messages, tools=tools, documents=None,
+                       add_generation_prompt=add_generation_prompt, **variables)
 
     def uses_tools(self, tools: list[dict] | None = None) -> bool:
         """Whether the chat template renders `tools` at all (else the model never sees
@@ -454,11 +471,211 @@ def _environment():
                     f"Chat templates cannot store underscore-prefixed attributes on a "
                     f"namespace, but got {name!r}. Please rename the attribute.")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    class BoundedEnvironment(ImmutableSandboxedEnvironment):
+        """The budget's checks (see "chat templates: bounded") where a template spends: each
+        loop item, call, filter and output chunk, and the operators that build big values."""
+        intercepted_binops = frozenset(("*", "**", "%"))   # also keeps them from folding
+
+        def _parse(self, source, name, filename):
+            tree = super()._parse(source, name, filename)
+            for loop in list(tree.find_all(jinja2.nodes.For)):     # for x in guard(items)
+                loop.iter = jinja2.nodes.Call(jinja2.nodes.Name(_LOOP_GUARD, "load"),
+                                              [loop.iter], [], None, None, lineno=loop.lineno)
+            tree.set_environment(self)
+            return tree
+
+        def call(self, context, obj, /, *args, **kwargs):
+            if (budget := _BUDGET.get()) is None:
+                return super().call(context, obj, *args, **kwargs)
+            budget.tick()
+            budget.check_method(obj, args)
+            return budget.checked(super().call(context, obj, *args, **kwargs))
+
+        def call_binop(self, context, operator, left, right):
+            if (budget := _BUDGET.get()) is not None:
+                budget.check_binop(operator, left, right)
+            value = super().call_binop(context, operator, left, right)
+            return value if budget is None else budget.checked(value)
+
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                             extensions=[Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
+    env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     env.globals["dict"] = TemplateDict()
     env.globals["namespace"] = TemplateNamespace
+    env.globals[_LOOP_GUARD] = _Guarded
     return env
+
+
+# ---- chat templates: bounded -------------------------------------------------------------------
+#
+# A chat template is code from the model's files, run on every chat request in the one
+# tokenizer worker (and in the API process for /tokenize): a heavy one (a loop nest, a
+# string repeated a billion times) would stall every request behind it. jinja's sandbox
+# bounds what a template may touch, and range() to 100,000 items, not what it may spend.
+# So a render gets a budget: RENDER_SECONDS of time, checked at each loop item (every `for`
+# iterates through _Guarded), call, filter and output chunk; and RENDER_CHARS characters,
+# for the output and for any string or list a call, filter or operator returns, with the
+# operations that would build a bigger one in a single step (`s * n`, `%` and format()
+# widths, ljust/center/zfill, replace, int ** int) refused before they run. Past either,
+# TemplateLimitError, which the tokenizer answers with a 400. Not bounded: the time of one
+# step that is none of these (e.g. sorting a long list: linear-log in the request's size).
+
+_LOOP_GUARD = "zserve_loop_guard"
+_INT_BITS = 1 << 20         # the largest integer an operator may build (~315,000 digits)
+
+
+class TemplateLimitError(RuntimeError):
+    """A chat template ran past its time or size budget."""
+
+
+class _Budget:
+    __slots__ = ("seconds", "chars", "deadline")
+
+    def __init__(self, seconds: float, chars: int):
+        self.seconds, self.chars = seconds, chars
+        self.deadline = time.monotonic() + seconds
+
+    def tick(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise TemplateLimitError(f"it ran for more than {self.seconds:g} s (zserve's "
+                                     f"bound on rendering a chat template)")
+
+    def refuse(self, what: str) -> TemplateLimitError:
+        return TemplateLimitError(f"{what} would be over {self.chars} characters (zserve's "
+                                  f"bound on a chat template's output)")
+
+    def checked(self, value):
+        if isinstance(value, (str, bytes, list, tuple, dict)) and len(value) > self.chars:
+            raise self.refuse(f"a value of {len(value)} items")
+        return value
+
+    def check_size(self, n: int, what: str) -> None:
+        if n > self.chars:
+            raise self.refuse(what)
+
+    def check_method(self, obj, args: tuple) -> None:
+        """A str method that builds a string bigger than its inputs, checked before it runs
+        (str.format comes wrapped by the sandbox: its __wrapped__ is the method)."""
+        method = getattr(obj, "__wrapped__", obj)
+        receiver, name = getattr(method, "__self__", None), getattr(method, "__name__", "")
+        if not isinstance(receiver, str):
+            return
+        if name in ("ljust", "rjust", "center", "zfill") and args and type(args[0]) is int:
+            self.check_size(args[0], f"{name}({args[0]})")
+        elif name == "expandtabs":
+            tab = args[0] if args and type(args[0]) is int else 8
+            self.check_size(len(receiver) + receiver.count("\t") * tab, "expandtabs()")
+        elif name == "replace" and len(args) >= 2:
+            self.check_replace(receiver, *args[:2])
+        elif name in ("format", "format_map"):
+            self.check_format(receiver)
+
+    def check_replace(self, s, old, new) -> None:
+        if isinstance(s, str) and isinstance(old, str) and isinstance(new, str):
+            count = len(s) + 1 if not old else s.count(old)
+            self.check_size(len(s) + count * (len(new) - len(old)), "replace()")
+
+    def check_format(self, fmt: str) -> None:
+        for _, _, spec, _ in string.Formatter().parse(fmt):
+            if spec and ("{" in spec or any(int(n) > self.chars
+                                            for n in re.findall(r"\d+", spec))):
+                raise self.refuse(f"a field formatted as {spec[:40]!r}")
+
+    def check_printf(self, fmt, args) -> None:
+        if not isinstance(fmt, str):
+            return
+        for width, precision in re.findall(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d*)(?:\.(\*|\d*))?",
+                                           fmt):
+            for n in (width, precision):
+                if n == "*":
+                    values = args if isinstance(args, tuple) else (args,)
+                    if any(type(v) is int and v > self.chars for v in values):
+                        raise self.refuse("a %* field")
+                elif n and int(n) > self.chars:
+                    raise self.refuse(f"a %{n} field")
+
+    def check_binop(self, operator: str, left, right) -> None:
+        ints = type(left) is int and type(right) is int
+        if operator == "*":
+            if ints:
+                if left.bit_length() + right.bit_length() > _INT_BITS:
+                    raise TemplateLimitError(f"an integer over {_INT_BITS} bits")
+                return
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and type(n) is int:
+                    self.check_size(len(seq) * n, f"a sequence of {len(seq)} times {n}")
+        elif operator == "**" and ints and right > 0 and abs(left) > 1:
+            if right * abs(left).bit_length() > _INT_BITS:
+                raise TemplateLimitError(f"an integer over {_INT_BITS} bits ({left} ** {right})")
+        elif operator == "%":
+            self.check_printf(left, right)
+
+
+_BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("template_budget",
+                                                                        default=None)
+
+
+class _Guarded:
+    """What a template's `for` iterates: the items, with the budget checked at each one (a
+    sized iterable stays sized, for `loop.length`)."""
+    __slots__ = ("items",)
+
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self):
+        budget = _BUDGET.get()
+        for item in self.items:
+            if budget is not None:
+                budget.tick()
+            yield item
+
+
+def _bounded_filter(name: str, fn):
+    """A filter with the budget checked around it. It takes the template's context (so jinja
+    never runs it at compile time, outside any budget, to fold constants) and hands `fn`
+    what fn asks for: the context, the eval context, the environment, or nothing."""
+    import jinja2
+
+    wants = getattr(getattr(fn, "jinja_pass_arg", None), "name", None)
+
+    @jinja2.pass_context
+    @functools.wraps(fn)
+    def bounded(context, *args, **kwargs):
+        budget = _BUDGET.get()
+        if budget is not None:
+            budget.tick()
+            if name in ("center", "indent"):        # their width: a size to build
+                for v in (*args[1:], *kwargs.values()):
+                    if type(v) is int:
+                        budget.check_size(v, f"|{name}({v})")
+            elif name == "format" and args:
+                budget.check_printf(args[0], tuple(args[1:]))
+            elif name == "replace" and len(args) >= 3:
+                budget.check_replace(*args[:3])
+        lead = {"context": (context,), "eval_context": (context.eval_ctx,),
+                "environment": (context.environment,)}.get(wants, ())
+        value = fn(*lead, *args, **kwargs)
+        return value if budget is None else budget.checked(value)
+    return bounded
+
+
+def _render(template, budget: _Budget, **variables) -> str:
+    """template.render(**variables) within `budget` (TemplateLimitError past it)."""
+    token = _BUDGET.set(budget)
+    try:
+        parts, n = [], 0
+        for part in template.generate(**variables):
+            n += len(part)
+            budget.check_size(n, "the rendered conversation")
+            budget.tick()
+            parts.append(part)
+        return "".join(parts)
+    finally:
+        _BUDGET.reset(token)
