@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from api_proc import dashboard
 from api_proc.boundary import BadRequest, BodyLimits, JSONResponse, error_response, read_json
-from api_proc.guard import Guard, parse_origins
+from api_proc.guard import Guard, own_origins, parse_origins
 from api_proc.metrics import LOG_INTERVAL, metrics, throughput_line
 from api_proc.native import GenerateHandler
 from api_proc.openai_api import OpenAIHandler
@@ -187,7 +187,7 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
     ]
     origins = parse_origins(args.allowed_origins)
     middleware = [Middleware(Guard, api_key=args.api_key, admin_api_key=args.admin_api_key,
-                             allowed_origins=origins)]
+                             allowed_origins=origins, own=own_origins(args.host, args.port))]
     if origins:
         middleware.insert(0, Middleware(CORSMiddleware, allow_origins=origins,
                                         allow_methods=["GET", "POST"], allow_headers=["*"]))

@@ -16,6 +16,10 @@ Rules (README, "Hardening"):
 - Browsers: a request whose Origin is neither the server's own nor in `--allowed-origins` is
   refused (403), so a web page cannot drive the server from a visitor's browser; with
   `--allowed-origins` Starlette's CORSMiddleware answers preflights for those origins.
+  The server's own origins come from the address it was started on (`own_origins`: --host
+  and --port; for a loopback host every loopback name, for 0.0.0.0 / :: every address of
+  the machine's interfaces and its host name), never from the request's Host header: a
+  DNS-rebinding page sends `Origin: http://evil.example:PORT` with `Host: evil.example:PORT`.
 - Admin routes change state: POST only (the routes say so) and, when a body is sent, JSON
   only (415), so no HTML form can reach them.
 """
@@ -23,7 +27,8 @@ Rules (README, "Hardening"):
 from __future__ import annotations
 
 import hmac
-from urllib.parse import urlsplit
+import ipaddress
+import socket
 
 from starlette.datastructures import Headers
 
@@ -49,15 +54,58 @@ def parse_origins(value: str | None) -> list[str]:
     return [o.strip().rstrip("/") for o in (value or "").split(",") if o.strip()]
 
 
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+
+def _url_host(host: str) -> str:
+    """A host as it stands in a URL (IPv6 in brackets), lower case."""
+    host = host.strip().lower()
+    try:
+        if ipaddress.ip_address(host.strip("[]")).version == 6:
+            return f"[{host.strip('[]')}]"
+    except ValueError:
+        pass
+    return host
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"
+
+
+def own_origins(host: str, port: int) -> set[str]:
+    """The origins of pages this server itself serves (its dashboard), from the address it
+    was started on."""
+    if host.strip() in WILDCARD_HOSTS:
+        import psutil
+        hosts = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values()
+                 for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)}
+        hosts |= {*LOOPBACK_NAMES, socket.gethostname()}
+    elif _is_loopback(host):
+        hosts = {host, *LOOPBACK_NAMES}
+    else:
+        hosts = {host}
+    out = set()
+    for h in map(_url_host, hosts):
+        for scheme, default in (("http", 80), ("https", 443)):
+            out.add(f"{scheme}://{h}:{port}")
+            if port == default:
+                out.add(f"{scheme}://{h}")        # browsers leave a default port out
+    return out
+
+
 class Guard:
     """ASGI middleware enforcing the rules above."""
 
     def __init__(self, app, api_key: str | None, admin_api_key: str | None,
-                 allowed_origins: list[str]):
+                 allowed_origins: list[str], own: set[str] = frozenset()):
         self.app = app
         self.api_key = api_key
         self.admin_key = admin_api_key
-        self.origins = set(allowed_origins)
+        self.origins = {o.lower() for o in allowed_origins} | set(own)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -73,7 +121,7 @@ class Guard:
     def _check(self, scope, headers: Headers) -> tuple[JSONResponse | None, bool]:
         """(the refusal to send, or None) and whether the caller has admin rights."""
         origin = headers.get("origin")
-        if origin is not None and not self._origin_allowed(origin, headers.get("host")):
+        if origin is not None and not self._origin_allowed(origin):
             return _error(f"Requests from origin {origin!r} are not allowed.", 403), False
         path = scope["path"]
         role = self._role(headers.get("authorization"))
@@ -103,7 +151,5 @@ class Guard:
             return "user"
         return "user" if self.api_key is None else None   # only an admin key: open use
 
-    def _origin_allowed(self, origin: str, host: str | None) -> bool:
-        if "*" in self.origins or origin.rstrip("/") in self.origins:
-            return True
-        return host is not None and urlsplit(origin).netloc.lower() == host.lower()
+    def _origin_allowed(self, origin: str) -> bool:
+        return "*" in self.origins or origin.rstrip("/").lower() in self.origins

@@ -117,8 +117,28 @@ def test_cross_origin_requests_are_refused(client):
     auth = {"Authorization": f"Bearer {KEY}"}
     r = client.get("/v1/models", headers={**auth, "Origin": "http://evil.example"})
     assert r.status_code == 403 and "origin" in r.json()["error"]["message"]
-    r = client.get("/v1/models", headers={**auth, "Origin": "http://testserver"})
-    assert r.status_code == 200
+    port = resolved("/m").args.port
+    for own in (f"http://127.0.0.1:{port}", f"http://localhost:{port}",
+                f"http://[::1]:{port}"):          # the dashboard's own page, on loopback
+        r = client.get("/v1/models", headers={**auth, "Origin": own})
+        assert r.status_code == 200, own
+    # DNS rebinding: the page's name resolves to this server, so Host says the same as
+    # Origin; the server compares with the address it was started on, not with Host.
+    for host in ("evil.example", "testserver"):
+        r = client.get("/v1/models", headers={**auth, "Origin": f"http://{host}:{port}",
+                                              "Host": f"{host}:{port}"})
+        assert r.status_code == 403, host
+
+
+def test_own_origins_come_from_the_address_served():
+    from api_proc.guard import own_origins
+    assert own_origins("127.0.0.1", 8000) >= {"http://127.0.0.1:8000", "http://localhost:8000",
+                                               "http://[::1]:8000", "https://localhost:8000"}
+    assert own_origins("10.1.2.3", 80) == {"http://10.1.2.3:80", "http://10.1.2.3",
+                                            "https://10.1.2.3:80"}
+    wild = own_origins("0.0.0.0", 30000)
+    assert "http://127.0.0.1:30000" in wild and "http://evil.example:30000" not in wild
+    assert own_origins("::1", 5) >= {"http://[::1]:5", "http://localhost:5"}
 
 
 def test_allowed_origins_get_cors_headers():
