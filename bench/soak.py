@@ -4,7 +4,7 @@ ended where it started.
     python -m bench.soak (--model-path DIR | --base-url URL) [--duration 60] [--requests N]
         [--concurrency 16] [--max-new-tokens 32] [--server-args "..."]
         [--max-rss-growth-mb 200] [--warmup SECONDS] [--mix unary=30,batch=15,...]
-        [--seed 0] [--json PATH]
+        [--seed 0] [--drain-timeout 60] [--deadline SECONDS] [--json PATH]
 
 With --model-path, launch.py is started on a free port (tests/server.py's harness) and
 stopped with SIGTERM at the end (it must exit 0); with --base-url, a running server is used
@@ -23,6 +23,17 @@ from --mix; by default 30/15/25/15/15) of
               up after 0..8 frames.
 Prompts are random token ids in [10, 700) (valid for the tiny test tokenizer too).
 
+Connections: a client holds one connection at a time (the workload's pool has one per
+client, so it never waits on the pool); /abort_request goes through a client of its own,
+since the stream it aborts still holds its connection, unread, until the abort ends it (with
+one pool of `concurrency` connections, `concurrency` aborts at once each waited for a
+connection the others held: a deadlock until the 300 s pool timeout).
+
+Bounded time: each phase stops starting requests at its deadline; requests still running
+--drain-timeout seconds later are cancelled and counted as failed ("still running at the
+deadline"). --deadline (default: the sum of the phases' bounds) caps the whole run from the
+first request to the last check; a run that reaches it fails.
+
 Checks at the end (any failure: exit status 1):
 - every request got what its kind expects (errors are counted by kind, first few printed);
 - the server goes idle: running, queued and in-flight requests all reach 0;
@@ -30,6 +41,7 @@ Checks at the end (any failure: exit status 1):
 - no server process grew its RSS by more than --max-rss-growth-mb since the baseline,
   taken after a warm-up (one request of each kind, then --warmup seconds of the same load;
   the warm-up's requests are checked too, but not counted in the summary's table);
+- the run ended within --deadline;
 - a launched server exits 0 on SIGTERM.
 """
 
@@ -76,9 +88,14 @@ class Tally:
 
 
 class Workload:
-    def __init__(self, client: httpx.AsyncClient, context: int, max_new: int,
-                 rng: random.Random):
-        self.client, self.context, self.max_new, self.rng = client, context, max_new, rng
+    """The kinds of request. `client` carries the requests themselves, one at a time per
+    client loop; `control` carries the side requests a kind makes while its own request
+    still holds a connection (/abort_request), so those never wait for that pool."""
+
+    def __init__(self, client: httpx.AsyncClient, control: httpx.AsyncClient, context: int,
+                 max_new: int, rng: random.Random):
+        self.client, self.control = client, control
+        self.context, self.max_new, self.rng = context, max_new, rng
 
     def prompt(self) -> list[int]:
         return [self.rng.randrange(TOKEN_LOW, TOKEN_HIGH)
@@ -126,7 +143,7 @@ class Workload:
         aborted = []
 
         async def on_first_frame():
-            r = await self.client.post("/abort_request", json={"rid": rid})
+            r = await self.control.post("/abort_request", json={"rid": rid})
             expect(r.status_code == 200, f"abort_request: {r.status_code} {r.text[:200]}")
             aborted.append(r.json().get("aborted"))
         frames = await self.read_stream({"input_ids": prompt, "rid": rid,
@@ -180,26 +197,36 @@ def check_length(out: dict, n: int, kind: str) -> None:
 
 
 async def soak(base_url: str, args, context: int, tally: Tally, deadline: float,
-               budget: list[int], kinds: list[str] | None = None) -> None:
+               budget: list[int], hard_deadline: float,
+               kinds: list[str] | None = None) -> None:
     """Clients loop until the deadline or the request budget (a shared countdown); with
-    `kinds`, a single round: one request of each kind, in parallel."""
+    `kinds`, a single round: one request of each kind, in parallel. At hard_deadline the
+    requests still running are cancelled and counted as failed."""
     rng = random.Random(args.seed)
-    limits = httpx.Limits(max_connections=args.concurrency,
-                          max_keepalive_connections=args.concurrency)
+    clients = len(kinds) if kinds is not None else args.concurrency
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=base_url, timeout=args.request_timeout,
-                                 limits=limits) as client:
-        work = Workload(client, context, args.max_new_tokens, rng)
+                                 limits=limits) as client, \
+            httpx.AsyncClient(base_url=base_url, timeout=args.request_timeout) as control:
+        work = Workload(client, control, context, args.max_new_tokens, rng)
+        running: Counter = Counter()
+
+        def failed(kind: str, why: str) -> None:
+            tally.errors[kind] += 1
+            if len(tally.first_errors) < 5:
+                tally.first_errors.append(f"{kind}: {why}")
 
         async def one(kind: str) -> None:
             tally.started[kind] += 1
+            running[kind] += 1
             t0 = time.monotonic()
             try:
                 await work.run(kind)
-            except (Failed, httpx.HTTPError, KeyError, TypeError, ValueError) as e:
-                tally.errors[kind] += 1
-                if len(tally.first_errors) < 5:
-                    tally.first_errors.append(f"{kind}: {type(e).__name__}: {e}")
+            except Exception as e:      # any failure is the request's, not the soak's
+                failed(kind, f"{type(e).__name__}: {e}")
                 return
+            finally:
+                running[kind] -= 1
             tally.ok[kind] += 1
             tally.latencies[kind].append(time.monotonic() - t0)
 
@@ -209,10 +236,18 @@ async def soak(base_url: str, args, context: int, tally: Tally, deadline: float,
                 budget[0] -= 1
                 await one(rng.choices(names, weights)[0])
 
-        if kinds is not None:
-            await asyncio.gather(*(one(k) for k in kinds))
-        else:
-            await asyncio.gather(*(client_loop() for _ in range(args.concurrency)))
+        tasks = [asyncio.ensure_future(one(k)) for k in kinds] if kinds is not None else \
+            [asyncio.ensure_future(client_loop()) for _ in range(args.concurrency)]
+        _, late = await asyncio.wait(tasks, timeout=max(0.0, hard_deadline - time.monotonic()))
+        if late:
+            stuck = +running                # what the cancelled tasks were running
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+            for kind, n in stuck.items():
+                for _ in range(n):
+                    failed(kind, f"still running at the deadline ({args.drain_timeout:g} s "
+                                 f"after the phase's end)")
 
 
 # ---------------------------------------------------------------------------------------
@@ -312,6 +347,13 @@ def main(argv=None) -> int:
     p.add_argument("--idle-timeout", type=float, default=120.0,
                    help="seconds the server may take to go idle after the load")
     p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="seconds the requests still running at a phase's end may take "
+                        "before they are cancelled and counted as failed (default 60)")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds the whole run may take, from the first request to the "
+                        "last check (default: the sum of the phases' bounds, warm-up + "
+                        "duration + 3 drain timeouts + 2 idle timeouts); reaching it fails")
     p.add_argument("--mix", type=parse_mix, default=dict(KINDS),
                    help="kind=weight pairs, comma-separated (default "
                         + ",".join(f"{k}={w}" for k, w in KINDS.items()) + "); kinds left "
@@ -319,6 +361,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the summary here as JSON")
     args = p.parse_args(argv)
+    warmup = args.duration / 6 if args.warmup is None else args.warmup
+    if args.deadline is None:
+        args.deadline = warmup + args.duration + 3 * args.drain_timeout + 2 * args.idle_timeout
 
     server = None
     if args.model_path:
@@ -335,13 +380,24 @@ def main(argv=None) -> int:
             port = httpx.URL(base_url).port
             procs = server_processes(server.proc.pid if server else None, port)
 
+            # Every phase ends by its own bound, and by the run's deadline.
+            end_of_run = time.monotonic() + args.deadline
+
+            def phase(tally: Tally, seconds: float, budget: int, kinds=None) -> None:
+                now = time.monotonic()
+                stop = min(now + seconds, end_of_run)
+                asyncio.run(soak(base_url, args, context, tally, stop, [budget],
+                                 min(stop + args.drain_timeout, end_of_run), kinds=kinds))
+
+            def idle_wait() -> tuple[bool, dict]:
+                return wait_idle(client, max(0.0, min(args.idle_timeout,
+                                                      end_of_run - time.monotonic())))
+
             # Warm-up at full concurrency (one of each kind first), then the RSS baseline.
             warm = Tally()
-            asyncio.run(soak(base_url, args, context, warm, 0, [0], kinds=list(KINDS)))
-            warmup = args.duration / 6 if args.warmup is None else args.warmup
-            asyncio.run(soak(base_url, args, context, warm, time.monotonic() + warmup,
-                             [args.requests]))
-            wait_idle(client, args.idle_timeout)
+            phase(warm, 0, 0, kinds=list(KINDS))
+            phase(warm, warmup, args.requests)
+            idle_wait()
             rss_start = rss(procs)
             before = client.get("/server_info").json()
 
@@ -356,15 +412,15 @@ def main(argv=None) -> int:
             sampler = threading.Thread(target=sample_rss)
             sampler.start()
             try:
-                asyncio.run(soak(base_url, args, context, tally, t0 + args.duration,
-                                 [args.requests]))
+                phase(tally, args.duration, args.requests)
             finally:
                 stop.set()
                 sampler.join()
             elapsed = time.monotonic() - t0
 
-            idle, after = wait_idle(client, args.idle_timeout)
+            idle, after = idle_wait()
             rss_end = rss(procs)
+            in_time = time.monotonic() <= end_of_run
     finally:
         code = server.terminate() if server else 0
 
@@ -388,6 +444,8 @@ def main(argv=None) -> int:
                          f"MB")
     else:
         checks["rss"] = (True, "not measured: the server's processes were not found")
+    checks["deadline"] = (in_time, f"finished within --deadline {args.deadline:.0f} s"
+                          if in_time else f"reached --deadline {args.deadline:.0f} s")
     if server:
         checks["exit"] = (code == 0, f"SIGTERM -> exit code {code}")
 
