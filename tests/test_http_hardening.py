@@ -167,6 +167,34 @@ def test_a_stream_that_is_never_read_is_aborted(server):
     assert server.generate_ok(text="after", sampling_params={"max_new_tokens": 2})
 
 
+@pytest.fixture(scope="module")
+def incremental(tiny_model, tmp_path_factory):
+    with serving(tiny_model("llama"), "--send-timeout", "1", "--incremental-streaming-output",
+                 tmpdir=tmp_path_factory.mktemp("incr")) as s:
+        yield s
+
+
+def test_an_incremental_stream_that_is_never_read_is_aborted(incremental):
+    """Incremental frames are small: without a bounded send buffer the kernel took all of
+    them (issue 20: 64,000 tokens generated for a client that read nothing)."""
+    server = incremental
+    before = server.server_info()["generated_tokens_total"]
+    body = json.dumps({"input_ids": [[5, 6, 7]] * 16, "stream": True,
+                       "sampling_params": LONG}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", server.port))
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    wait_until(lambda: "read nothing for" in server.logs(), what="the stalled-stream warning")
+    wait_idle(server)
+    sock.settimeout(30)
+    assert closed_by_server(sock)
+    sock.close()
+    generated = server.server_info()["generated_tokens_total"] - before
+    assert generated < 16 * LONG["max_new_tokens"], generated
+
+
 def test_rid_reuse_never_ends_the_new_request(server):
     """A rid finished by a stop string is free at once; reusing it must not let the old
     request's release end the new one (internal ids are unique per submission)."""
