@@ -83,9 +83,17 @@ async def unless_disconnect(request: Request, work) -> bool:
         gone.cancel()
     if not task.done():
         task.cancel()
+        # A cancelled gather() is finished with a CancelledError set as its exception, which
+        # asyncio logs as "never retrieved" unless someone looks: we do, once it is done.
+        task.add_done_callback(_retrieve)
         return False
     task.result()
     return True
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _raise(message: str, status: int) -> None:
