@@ -19,10 +19,17 @@ Workload: num_prompts prompts of input_len random token ids in [10, 700) (seeded
 generating exactly output_len tokens (greedy, EOS ignored).
 
 - zserve: launch.py is started on a free port (unless --url names a running server),
-  warmed up, then
-    batch:  all prompts are sent at once as concurrent single-prompt POST /generate requests
-            (like a benchmark client); wall = first submit -> last completion.
-    single: --single-prompts prompts, one request at a time.
+  warmed up on prompts of its own (as many as the measured ones, none sharing a first id
+  with one: nothing the warm-up leaves in the prefix cache serves a measured prompt), its
+  prefix cache emptied (POST /flush_cache) before each mode, then
+    batch:  all prompts are sent at once as concurrent single-prompt streaming
+            POST /generate requests (like a benchmark client); wall = first submit -> last
+            stream's end.
+    single: --single-prompts prompts (the first of the batch's), one request at a time.
+  Every request streams; TTFT is from sending it to the first chunk that holds a token,
+  e2e to the end of its stream, both as the client sees them (TPOT = (e2e - TTFT) /
+  (tokens - 1)). Each row's cached_tokens (in --json) sums the measured requests'
+  meta_info cached_tokens: 0, or the bench warns.
   The server is stopped (SIGTERM) before transformers runs, so the two never share the CPU.
   --quantization X is passed to launch.py (before --compare-configs' flags, so an entry's
   own wins). The `weights` column says what zserve served, from /server_info's
@@ -34,11 +41,13 @@ generating exactly output_len tokens (greedy, EOS ignored).
   -t/-tb --llama-threads (default: torch's thread count, the one zserve runs with),
   -np num_prompts slots, -cb, and -c num_prompts x (input_len + output_len rounded up to
   256). The same prompt ids go to POST /completion {"prompt": ids, "n_predict",
-  "ignore_eos": true, "temperature": 0, "repeat_penalty": 1.0, "cache_prompt": false} through
-  the same client code as zserve's: warm-up, then batch (all at once) and single (one at a
-  time), tok/s computed the same way. TTFT/TPOT/e2e come from the response's `timings`
-  (prompt_ms: start of prompt processing to the first token; predicted_ms: first token to
-  the last), so a wait for a free slot is not in them (there is none with a slot per prompt).
+  "ignore_eos": true, "temperature": 0, "repeat_penalty": 1.0, "cache_prompt": false,
+  "stream": true} through the same client code as zserve's: the same warm-up prompts, then
+  batch (all at once) and single (one at a time), tok/s, TTFT, TPOT and e2e measured the
+  same way, at the client (it has no cache to flush: cache_prompt false skips it; its
+  cached_tokens is the final chunk's timings.cache_n). llama-server holds back a token that
+  ends inside a UTF-8 character until the character is whole, so its first chunk can come a
+  token late; zserve's frames carry the ids as they come.
 - --rounds R: zserve (each --compare-configs entry in turn), then llama-server, R times,
   alternating. Each server is launched for its turn and stopped after it, so only one is up
   at a time; no launched server (zserve or llama-server) outlives this process (stopped in
@@ -120,9 +129,24 @@ def model_config(model_path: str) -> dict:
 # Workload and model facts
 
 
-def make_prompts(num: int, length: int, seed: int) -> list[list[int]]:
+def make_prompts(num: int, length: int, seed: int,
+                 avoid: list[list[int]] = ()) -> list[list[int]]:
+    """num prompts of `length` random ids. While the id range allows, no two of them, and
+    none of them and a prompt in `avoid`, start with the same id: no prompt can find a
+    prefix of its own in a prefix cache that holds only the others."""
     rng = random.Random(seed)
-    return [[rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(length)] for _ in range(num)]
+    taken = {p[0] for p in avoid if p}
+    free = [i for i in range(TOKEN_LOW, TOKEN_HIGH) if i not in taken]
+    firsts = rng.sample(free, min(num, len(free)))
+    firsts += [rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(num - len(firsts))]
+    return [[first] + [rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(length - 1)]
+            for first in firsts]
+
+
+def warmup_prompts(prompts: list[list[int]], seed: int) -> list[list[int]]:
+    """As many warm-up prompts as measured ones, of the same length, none sharing a first
+    id with a measured one (so the warm-up leaves nothing in the cache they can use)."""
+    return make_prompts(len(prompts), len(prompts[0]), seed + 1_000_003, avoid=prompts)
 
 
 def matmul_params(model_path: str) -> dict:
@@ -267,20 +291,34 @@ def wait_health(url: str, timeout: float) -> None:
 
 
 def _body(ids, output_len: int) -> dict:
-    return {"input_ids": ids,
+    return {"input_ids": ids, "stream": True,
             "sampling_params": {"max_new_tokens": output_len, "temperature": 0,
                                 "ignore_eos": True}}
 
 
-def _check(resp: httpx.Response, output_len: int) -> dict:
-    if resp.status_code != 200:
-        raise RuntimeError(f"/generate returned {resp.status_code}: {resp.text[:500]}")
-    out = resp.json()
-    meta = out["meta_info"]
-    if meta["completion_tokens"] != output_len:
-        print(f"# warning: a request generated {meta['completion_tokens']} tokens, not "
-              f"{output_len} (finish_reason {meta.get('finish_reason')})", file=sys.stderr)
-    return meta
+def _frame(frame: dict) -> tuple[int, dict | None]:
+    """One streamed /generate frame: (tokens so far, the answer's facts if it is the
+    terminal frame). Frames are cumulative; the terminal one carries the latencies."""
+    meta = frame["meta_info"]
+    if meta.get("finish_reason") is None:
+        return meta["completion_tokens"], None
+    return meta["completion_tokens"], {"completion_tokens": meta["completion_tokens"],
+                                       "cached_tokens": meta.get("cached_tokens"),
+                                       "queue_time": meta.get("queue_time"),
+                                       "finish_reason": meta["finish_reason"]}
+
+
+def flush_cache(url: str, timeout: float = 30.0) -> None:
+    """POST /flush_cache, retried while the scheduler still holds requests (it refuses to
+    flush then), so that no measured prompt finds its prefix in the cache."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.post(url + "/flush_cache", json={}, timeout=timeout)
+        if r.status_code == 200:
+            return
+        if r.status_code != 400 or time.monotonic() > deadline:
+            raise RuntimeError(f"POST /flush_cache returned {r.status_code}: {r.text[:300]}")
+        time.sleep(0.2)
 
 
 # ---------------------------------------------------------------------------------------
@@ -350,24 +388,18 @@ def llama_slot_context(input_len: int, output_len: int) -> int:
 
 def _llama_body(ids, output_len: int) -> dict:
     return {"prompt": ids, "n_predict": output_len, "ignore_eos": True, "temperature": 0,
-            "repeat_penalty": 1.0, "cache_prompt": False}
+            "repeat_penalty": 1.0, "cache_prompt": False, "stream": True}
 
 
-def _llama_check(resp: httpx.Response, output_len: int) -> dict:
-    """A /completion answer as zserve's meta_info would give it (seconds; None if missing)."""
-    if resp.status_code != 200:
-        raise RuntimeError(f"/completion returned {resp.status_code}: {resp.text[:500]}")
-    out = resp.json()
-    timings = out.get("timings") or {}
-    n = out.get("tokens_predicted", timings.get("predicted_n", 0))
-    if n != output_len:
-        print(f"# warning: a llama.cpp request generated {n} tokens, not {output_len} "
-              f"(stop_type {out.get('stop_type')})", file=sys.stderr)
-    prompt_ms, predicted_ms = timings.get("prompt_ms"), timings.get("predicted_ms")
-    return {"completion_tokens": n,
-            "first_token_latency": None if prompt_ms is None else prompt_ms / 1e3,
-            "e2e_latency": (None if prompt_ms is None or predicted_ms is None
-                            else (prompt_ms + predicted_ms) / 1e3)}
+def _llama_frame(frame: dict) -> tuple[int, dict | None]:
+    """One streamed /completion chunk: a partial per token (text held back while it is an
+    incomplete UTF-8 sequence), then the final one ("stop": true, with timings)."""
+    n = frame.get("tokens_predicted", 0)
+    if not frame.get("stop"):
+        return n, None
+    timings = frame.get("timings") or {}
+    return n, {"completion_tokens": n, "cached_tokens": timings.get("cache_n"),
+               "finish_reason": frame.get("stop_type")}
 
 
 def run_llama_bench(binary: str, model: str, threads: int, n_gen: int = 128,
@@ -396,17 +428,20 @@ def run_llama_bench(binary: str, model: str, threads: int, n_gen: int = 128,
 
 @dataclasses.dataclass(frozen=True)
 class Api:
-    """How a server takes one prompt of ids: body(ids, output_len) is the JSON to POST to
-    route; check(response, output_len) gives the answer's facts as zserve's meta_info names
-    them (completion_tokens, first_token_latency, e2e_latency, queue_time; seconds)."""
+    """How a server takes one prompt of ids, streamed: body(ids, output_len) is the JSON to
+    POST to route; frame(chunk) reads one streamed JSON chunk as (tokens generated so far,
+    the answer's facts if it is the last: completion_tokens, cached_tokens, ...); flush(url),
+    if the server has one, empties its prefix cache (llama-server: none; every body sends
+    "cache_prompt": false instead)."""
     system: str
     route: str
     body: Callable[[list[int], int], dict]
-    check: Callable[[httpx.Response, int], dict]
+    frame: Callable[[dict], tuple[int, dict | None]]
+    flush: Callable[[str], None] | None
 
 
-ZSERVE = Api("zserve", "/generate", _body, _check)
-LLAMA = Api("llama.cpp", "/completion", _llama_body, _llama_check)
+ZSERVE = Api("zserve", "/generate", _body, _frame, flush_cache)
+LLAMA = Api("llama.cpp", "/completion", _llama_body, _llama_frame, None)
 
 
 def _tpot(meta: dict) -> float | None:
@@ -416,25 +451,65 @@ def _tpot(meta: dict) -> float | None:
     return (meta["e2e_latency"] - meta["first_token_latency"]) / (n - 1)
 
 
+async def _stream(api: Api, client: httpx.AsyncClient, ids, output_len: int):
+    """One streamed request as its client sees it: (its facts, with first_token_latency
+    from sending it to the first chunk that holds a token and e2e_latency to the end of the
+    stream; the time the stream ended)."""
+    t0 = time.perf_counter()
+    first = facts = None
+    async with client.stream("POST", api.route, json=api.body(ids, output_len)) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{api.route} returned {r.status_code}: "
+                               f"{(await r.aread())[:500]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            n, last = api.frame(json.loads(line[len("data: "):]))
+            if first is None and n > 0:
+                first = time.perf_counter()
+            facts = last or facts
+    end = time.perf_counter()
+    if facts is None:
+        raise RuntimeError(f"{api.route}: the stream ended without its last chunk")
+    if facts["completion_tokens"] != output_len:
+        print(f"# warning: a {api.system} request generated {facts['completion_tokens']} "
+              f"tokens, not {output_len} (finish {facts.get('finish_reason')})",
+              file=sys.stderr)
+    return {**facts, "first_token_latency": None if first is None else first - t0,
+            "e2e_latency": end - t0}, end
+
+
 async def _post_concurrent(api: Api, url: str, prompts, output_len: int):
     limits = httpx.Limits(max_connections=len(prompts) + 4,
                           max_keepalive_connections=len(prompts) + 4)
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
-        async def one(ids):
-            r = await client.post(api.route, json=api.body(ids, output_len))
-            return api.check(r, output_len), time.perf_counter()
-
         t0 = time.perf_counter()
-        done = await asyncio.gather(*(one(p) for p in prompts))
+        done = await asyncio.gather(*(_stream(api, client, p, output_len) for p in prompts))
         wall = max(t for _, t in done) - t0
     return [m for m, _ in done], wall
 
 
+async def _post_sequential(api: Api, url: str, prompts, output_len: int):
+    async with httpx.AsyncClient(base_url=url, timeout=None) as client:
+        metas, wall = [], 0.0
+        for p in prompts:
+            t0 = time.perf_counter()
+            meta, end = await _stream(api, client, p, output_len)
+            metas.append(meta)
+            wall += end - t0
+    return metas, wall
+
+
 def warmup(api: Api, url: str, prompts, output_len: int) -> None:
-    with httpx.Client(base_url=url, timeout=None) as c:
-        for p in prompts[:2]:
-            api.check(c.post(api.route, json=api.body(p, 8)), 8)
+    """Two requests one at a time, then all of `prompts` at once (the batch shape). The
+    prompts must not be the measured ones: zserve would keep them in its prefix cache."""
+    asyncio.run(_post_sequential(api, url, prompts[:2], min(8, output_len)))
     asyncio.run(_post_concurrent(api, url, prompts, min(4, output_len)))
+
+
+def _cached(metas) -> int | None:
+    cached = [m.get("cached_tokens") for m in metas]
+    return None if None in cached else sum(cached)
 
 
 def run_batch(api: Api, url: str, prompts, output_len: int, dtype: str) -> dict:
@@ -443,20 +518,17 @@ def run_batch(api: Api, url: str, prompts, output_len: int, dtype: str) -> dict:
     return _result(api.system, "batch", dtype, len(prompts), toks, wall,
                    [m.get("first_token_latency") for m in metas],
                    [m.get("e2e_latency") for m in metas], [_tpot(m) for m in metas],
-                   queue_mean_s=_mean([m.get("queue_time") for m in metas]))
+                   queue_mean_s=_mean([m.get("queue_time") for m in metas]),
+                   cached_tokens=_cached(metas))
 
 
 def run_single(api: Api, url: str, prompts, output_len: int, dtype: str) -> dict:
-    metas, wall = [], 0.0
-    with httpx.Client(base_url=url, timeout=None) as c:
-        for p in prompts:
-            t0 = time.perf_counter()
-            metas.append(api.check(c.post(api.route, json=api.body(p, output_len)), output_len))
-            wall += time.perf_counter() - t0
+    metas, wall = asyncio.run(_post_sequential(api, url, prompts, output_len))
     toks = sum(m["completion_tokens"] for m in metas)
     return _result(api.system, "single", dtype, len(prompts), toks, wall,
                    [m.get("first_token_latency") for m in metas],
-                   [m.get("e2e_latency") for m in metas], [_tpot(m) for m in metas])
+                   [m.get("e2e_latency") for m in metas], [_tpot(m) for m in metas],
+                   cached_tokens=_cached(metas))
 
 
 # ---------------------------------------------------------------------------------------
@@ -564,6 +636,8 @@ def median_rows(rows: list[dict]) -> list[dict]:
         for key in _MEDIAN_KEYS:
             values = [r.get(key) for r in runs]
             m[key] = None if None in values else statistics.median(values)
+        cached = [r.get("cached_tokens") for r in runs]     # over all the rounds
+        m["cached_tokens"] = None if None in cached else sum(cached)
         out.append(m)
     return out
 
@@ -643,12 +717,13 @@ def print_table(report: dict) -> None:
     print()
     print("batch: all prompts at once (zserve: concurrent HTTP requests, continuous batching; "
           "transformers: one static-batch generate()). single: one request at a time.")
-    print("TTFT/TPOT/e2e: zserve from meta_info (server side); transformers measured around "
-          "generate() (TTFT: prefill + first token, via a streamer hook).")
+    print("TTFT/TPOT/e2e: servers streamed, as their client sees them (send -> first chunk "
+          "holding a token -> end of the stream); warm-up on other prompts, prefix cache "
+          "emptied before each mode; transformers measured around generate() (TTFT: "
+          "prefill + first token, via a streamer hook).")
     if lc is not None:
         print(f"llama.cpp: {lc['command']} (a free port each turn); the same client as "
-              f"zserve's, POST /completion; TTFT/TPOT/e2e from its timings (server side, from "
-              f"the start of prompt processing).")
+              f"zserve's, POST /completion with stream and cache_prompt false.")
     if (lb := report.get("llama_bench")) is not None:
         print(f"llama-bench: {lb.get('command') or '-'}: batch-1 decode after an empty prompt, "
               f"no HTTP; tok/s is its mean over the runs"
@@ -748,20 +823,28 @@ def turn_of(name: str, server, stop: Callable[[], int] | None):
             print(f"# {name} stopped (exit {stop()})", file=sys.stderr)
 
 
-def run_modes(client, name: str, url: str, prompts, single_prompts, modes, args, dtype: str,
-              weights: str, pid: int | None) -> list[dict]:
-    """One server's turn once it is up: warm-up, then each mode, a result row each (with
-    the weights served and, for a server launched here, its process tree's memory)."""
+def run_modes(api: Api, name: str, url: str, prompts, single_prompts, modes, args,
+              dtype: str, weights: str, pid: int | None) -> list[dict]:
+    """One server's turn once it is up: warm-up on prompts of its own (none shares a first
+    id with a measured one), then each mode after emptying the server's prefix cache, a
+    result row each (with the weights served, the prompt tokens the server says it served
+    from a cache, which must be 0, and, for a server launched here, its process tree's
+    memory)."""
     print(f"# {name} warm-up ...", file=sys.stderr)
-    warmup(client, url, prompts, args.output_len)
+    warmup(api, url, warmup_prompts(prompts, args.seed), args.output_len)
     results = []
     for mode in modes:
         print(f"# {name} {mode} ...", file=sys.stderr)
+        if api.flush is not None:
+            api.flush(url)
         if mode == "batch":
-            results.append(run_batch(client, url, prompts, args.output_len, dtype))
+            results.append(run_batch(api, url, prompts, args.output_len, dtype))
         else:
-            results.append(run_single(client, url, single_prompts, args.output_len, dtype))
+            results.append(run_single(api, url, single_prompts, args.output_len, dtype))
         results[-1]["weights"] = weights
+        if results[-1]["cached_tokens"]:
+            print(f"# warning: {name} {mode}: {results[-1]['cached_tokens']} measured prompt "
+                  f"tokens were served from its prefix cache", file=sys.stderr)
         if pid is not None:
             results[-1]["rss_mb"] = tree_rss_mb(pid)
     return results

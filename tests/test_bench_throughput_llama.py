@@ -15,15 +15,17 @@ import pytest
 from bench import throughput as tp
 
 FAKE_SERVER = f"""#!{sys.executable}
-# Speaks llama-server's /health and /completion; notes its argv; refuses a body that is not
-# what the benchmark must send. Timings: 10 ms per prompt token, 5 ms per output token after
-# the first.
-import json, sys
+# Speaks llama-server's /health and streamed /completion (a chunk per token, then the final
+# one with timings; no [DONE]); notes its argv; refuses a body that is not what the
+# benchmark must send. It takes 10 ms per prompt token before the first token, 5 ms per
+# output token after it.
+import json, sys, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 argv = sys.argv[1:]
 open(argv[argv.index("-m") + 1] + ".argv", "w").write(json.dumps(argv))
-WANT = {{"ignore_eos": True, "temperature": 0, "repeat_penalty": 1.0, "cache_prompt": False}}
+WANT = {{"ignore_eos": True, "temperature": 0, "repeat_penalty": 1.0, "cache_prompt": False,
+         "stream": True}}
 
 class Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):
@@ -47,10 +49,20 @@ class Handler(BaseHTTPRequestHandler):
                 or not all(isinstance(i, int) for i in ids)
                 or any(body.get(k) != v for k, v in WANT.items())):
             return self.answer(400, {{"error": body}})
-        self.answer(200, {{"content": "x" * n, "tokens_predicted": n,
-                           "tokens_evaluated": len(ids), "stop_type": "limit",
-                           "timings": {{"prompt_n": len(ids), "prompt_ms": 10.0 * len(ids),
-                                        "predicted_n": n, "predicted_ms": 5.0 * (n - 1)}}}})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        chunk = lambda obj: self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\\n\\n")
+        time.sleep(0.010 * len(ids))
+        for i in range(1, n + 1):
+            if i > 1:
+                time.sleep(0.005)
+            chunk({{"content": "x", "tokens_predicted": i, "stop": False}})
+            self.wfile.flush()
+        chunk({{"content": "", "tokens_predicted": n, "tokens_evaluated": len(ids),
+                "stop": True, "stop_type": "limit",
+                "timings": {{"cache_n": 0, "prompt_n": len(ids), "prompt_ms": 10.0 * len(ids),
+                             "predicted_n": n, "predicted_ms": 5.0 * (n - 1)}}}})
 
 ThreadingHTTPServer(("127.0.0.1", int(argv[argv.index("--port") + 1])), Handler).serve_forever()
 """
@@ -82,7 +94,7 @@ def test_llama_server_client_and_cleanup(tmp_path):
         assert argv[:12] == ["-m", str(model), "-t", "2", "-tb", "2", "-np", "4", "-cb", "-c",
                              str(ctx), "--host"]
         assert ctx == 4 * 256
-        tp.warmup(tp.LLAMA, server.url, prompts, 12)
+        tp.warmup(tp.LLAMA, server.url, tp.warmup_prompts(prompts, 0), 12)
         batch = tp.run_batch(tp.LLAMA, server.url, prompts, 12, "-")
         single = tp.run_single(tp.LLAMA, server.url, prompts[:2], 12, "-")
     finally:
@@ -92,10 +104,12 @@ def test_llama_server_client_and_cleanup(tmp_path):
     assert batch["system"] == "llama.cpp" and batch["mode"] == "batch"
     assert batch["output_tokens"] == 4 * 12 and batch["num_requests"] == 4
     assert batch["tok_s"] == pytest.approx(48 / batch["wall_s"])
-    assert batch["ttft_mean_s"] == pytest.approx(0.160)         # prompt_ms: 16 tokens x 10 ms
-    assert batch["tpot_mean_s"] == pytest.approx(0.005)         # predicted_ms / (n - 1)
-    assert batch["e2e_mean_s"] == pytest.approx(0.160 + 0.055)
+    # At the client, from the stream: at least the server's own 16 x 10 ms, 5 ms a token.
+    assert 0.160 <= batch["ttft_mean_s"] < 0.160 + 0.5
+    assert 0.005 <= batch["tpot_mean_s"] < 0.005 + 0.05
+    assert batch["e2e_mean_s"] >= 0.160 + 0.055 and batch["cached_tokens"] == 0
     assert single["output_tokens"] == 2 * 12 and single["mode"] == "single"
+    assert 0.160 <= single["ttft_mean_s"] and single["cached_tokens"] == 0
 
 
 def test_llama_server_that_dies_at_startup(tmp_path):
