@@ -253,18 +253,19 @@ IDS = torch.randint(5, 700, (40,), generator=torch.Generator().manual_seed(3))
 # argument, made probabilistic (Higham & Mary, "A new approach to probabilistic rounding
 # error analysis", 2019): a sum of K terms, in any order, rounds at most K partial sums,
 # each by an independent, zero-mean relative error of at most u = 2^-24 on a value of at
-# most sum|x_i w_i|, so its error has a standard deviation of at most u sqrt(K) sum|x_i w_i|;
-# an elementwise op rounds once (u |y|; a few ulp for exp, rsqrt, silu, cos, sin).
-# Float32Rounding evaluates the network exactly with every op's result moved by such an
-# error, drawn uniformly (from +-u sqrt(3K) sum|x_i w_i| for a sum: that standard deviation),
-# with this model's and this prompt's own magnitudes; the largest deviation of the logits
-# over a few draws is the tolerance. (The worst case, K u per sum with errors aligned across ops, is
-# too loose to test anything at these depths: an independent random error per op is the
-# realistic model.) On the tiny models it comes to 14-50x the error of transformers' float32
-# and of ours (AVX2 kernels or torch's ops), over 15x that of transformers' with its hidden
-# units permuted (the same function, other summation orders), and well over our AVX-512
-# kernels' 1.2e-4 to 3.7e-4 from transformers; one layer's output 0.1% off moves the logits
-# 2-20x past it in every test below (tried; 0.03% off: in all but one).
+# most sum|x_i w_i|, so its error has a standard deviation of at most
+# u sqrt(K) sum|x_i w_i|; an elementwise op rounds once (u |y|; a few ulp for exp, rsqrt,
+# silu, cos, sin). Float32Rounding evaluates the network exactly with every op's result
+# moved by such an error, drawn uniformly (for a sum from +-u sqrt(3K) sum|x_i w_i|: that
+# standard deviation), with this model's and this prompt's own magnitudes; the largest
+# deviation of the logits over a few draws is the tolerance. (The worst case, K u per sum
+# with the errors aligned across ops, is too loose to test anything at these depths; an
+# independent random error per op is the realistic model.) On the tiny models the bound
+# comes to 14-50x the error of transformers' float32 and of ours (AVX2 kernels or torch's
+# ops), over 15x that of transformers' with its hidden units permuted (the same function,
+# other summation orders), and well over our AVX-512 kernels' 1.2e-4 to 3.7e-4 from
+# transformers; one layer's output 0.1% off moves the logits 2-20x past it in every test
+# below (tried; 0.03% off: in all but one).
 
 U32 = 2.0 ** -24
 _aten = torch.ops.aten
