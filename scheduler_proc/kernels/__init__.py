@@ -12,15 +12,17 @@ The C files are compiled together on first use with the system C compiler (`cc`,
 with ctypes (which releases the GIL for each call). They run their threads on the libgomp
 that torch has already loaded, so torch.set_num_threads holds for them too.
 `available(device, dtype)` is false where the CPU lacks the instructions a dtype's kernels
-need (float32: AVX-512 F, BW and VL; bfloat16: also AVX512_BF16), where the compiler is missing or
-fails, or where ZSERVE_CPU_KERNELS=0 is set (to compare, or to rule them out); callers then
-fall back to torch (oneDNN-packed linears, SDPA, plain elementwise ops).
+need (float32: AVX-512 F, BW and VL; bfloat16: also AVX512_BF16), where ZSERVE_CPU_ISA=avx2
+asks for the AVX2 ones instead (to test or compare them on an AVX-512 CPU), where the
+compiler is missing or fails, or where ZSERVE_CPU_KERNELS=0 is set (to compare, or to rule
+them out); callers then fall back to torch (oneDNN-packed linears, SDPA, plain elementwise
+ops). Both switches are read in wire/cpu.py (runs_avx512_kernels), the rule's one home.
 AVX2 versions (AVX2 + FMA + F16C: every x86-64 CPU since 2013) have their own check,
 `avx2_available(device)`: the quantized linear layers (where it is false, quantized
 weights are dequantized at load instead: --quantization, README "Quantized weights"), and
-for CPUs without AVX-512 the *_avx2 functions of linear.c, attention.c and elementwise.c
+where `available` is false the *_avx2 functions of linear.c, attention.c and elementwise.c
 (float32 and bfloat16). `function(name, device, dtype)` picks attention.c's and
-elementwise.c's version by that rule.
+elementwise.c's version by that rule; CpuLinear and FastDecode ask `available`.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import tempfile
 import torch
 
 from checkpoints.tiny import default_cache_root
-from wire.cpu import cpu_flags, kernels_switched_on, runs_avx2_kernels
+from wire.cpu import runs_avx2_kernels, runs_avx512_kernels
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +49,8 @@ HEADERS = sorted(HERE.glob("*.h"))
 # No -march: each function names the instructions it needs (simd.h), and available()
 # checks the CPU has them. fp-contract=off: elementwise.c rounds like torch, unfused.
 COMPILE = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off"]
-CPU_FLAGS = {torch.float32: {"avx512f", "avx512bw", "avx512vl"},
-             torch.bfloat16: {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}}
+CPU_FLAGS = {torch.float32: frozenset({"avx512f", "avx512bw", "avx512vl"}),
+             torch.bfloat16: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})}
 
 _p, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
@@ -122,9 +124,10 @@ def build_library(out_dir: pathlib.Path, cc: str) -> ctypes.CDLL | None:
 
 
 def available(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Can this device and dtype run on our AVX-512 kernels?"""
-    return (torch.device(device).type == "cpu" and dtype in CPU_FLAGS and kernels_switched_on()
-            and CPU_FLAGS[dtype] <= cpu_flags() and library() is not None)
+    """Can this device and dtype run on our AVX-512 kernels, and may they (wire/cpu.py:
+    ZSERVE_CPU_KERNELS, ZSERVE_CPU_ISA)?"""
+    return (torch.device(device).type == "cpu" and dtype in CPU_FLAGS
+            and runs_avx512_kernels(CPU_FLAGS[dtype]) and library() is not None)
 
 
 def avx2_available(device: torch.device | str) -> bool:
