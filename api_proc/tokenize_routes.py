@@ -9,20 +9,26 @@ SGLang's shapes, with vLLM's chat form accepted too.
 
 The tokenizer is the tokenizer workers' own (tokenizer_proc/process.py: the same files, the
 same chat template and the same length bound), loaded in this process on the first call (it
-is torch-free), and run off the event loop. `model`, when given, must name the served model
+is torch-free), and run off the event loop on one thread, one call at a time. A call's
+memory is its body and its answer: each prompt's ids are written out as JSON as soon as
+they are known (never all held as Python ints), and the heap a big answer freed is handed
+back to the system (TRIM_AFTER). `model`, when given, must name the served model
 (or be "default", as SGLang accepts).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from api_proc.boundary import BadRequest, JSONResponse, error_response, read_json
+from api_proc.boundary import BadRequest, dumps, error_response, read_json
 from wire.messages import ChatMessage
 from wire.server_args import ServerConfig
 
@@ -34,6 +40,10 @@ class TokenizeHandler:
         self.config = config
         self._tokenizer = None
         self._lock = threading.Lock()
+        # One thread does the work, one call at a time (as the tokenizer worker does, and
+        # SGLang's tokenizer manager): calls in parallel threads held their working sets at
+        # once, and glibc kept the heaps those threads freed.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     def routes(self) -> list[Route]:
         return [Route(path, handler, methods=["POST"])
@@ -58,25 +68,41 @@ class TokenizeHandler:
             raise BadRequest(f"The model `{model}` does not exist.", 404)
         return body
 
-    async def _answer(self, request: Request, work, render) -> Response:
-        """Read and check the body, run work(body) off the event loop, answer
-        render(result); the client's mistakes are 4xx with their message."""
+    async def _answer(self, request: Request, work) -> Response:
+        """Read and check the body, run work(body) off the event loop (it returns the JSON
+        answer's bytes), answer them; the client's mistakes are 4xx with their message."""
         from tokenizer_proc.process import RequestError
         try:
             body = await self._body(request)
-            result = await asyncio.to_thread(work, body)
+            content = await asyncio.get_running_loop().run_in_executor(
+                self._worker, _then_trim, work, body)
         except BadRequest as e:
             return error_response(str(e), e.status)
         except RequestError as e:
             return error_response(str(e), 400)
-        return JSONResponse(render(result))
+        return Response(content, media_type="application/json")
 
     async def tokenize(self, request: Request) -> Response:
-        return await self._answer(request, self._tokenize, lambda ids: {
-            "tokens": ids, "count": [len(x) for x in ids] if _is_batch(ids) else len(ids),
-            "max_model_len": self.config.context_length})
+        return await self._answer(request, self._tokenize)
 
-    def _tokenize(self, body: dict) -> list:
+    def _tokenize(self, body: dict) -> bytes:
+        """The answer, written as it is worked out: each prompt's ids become JSON text as
+        soon as they are known, so a batch holds its answer's bytes (~3 times, at the
+        peak), never all its ids as Python ints (~36 bytes a token; with their JSON text,
+        ~15 times the answer)."""
+        tail = b',"max_model_len":%d}' % self.config.context_length
+        ids = self._token_ids(body)
+        if isinstance(ids, list):
+            return b'{"tokens":%s,"count":%d%s' % (_json(ids), len(ids), tail)
+        parts, counts = [b'{"tokens":['], []
+        for one in ids:
+            parts += (_json(one), b",")
+            counts.append(len(one))
+        parts[-1:] = [b'],"count":', _json(counts), tail]        # the last "," off
+        return b"".join(parts)
+
+    def _token_ids(self, body: dict):
+        """One prompt's (or the chat form's) ids, or an iterator over a batch's."""
         tok = self.tokenizer()
         if ("prompt" in body) == ("messages" in body):
             raise BadRequest("Give exactly one of prompt or messages.")
@@ -93,14 +119,17 @@ class TokenizeHandler:
             return tok.encode(prompt, add_special_tokens=special)
         if isinstance(prompt, list) and prompt and len(prompt) <= MAX_PROMPTS and \
                 all(isinstance(p, str) for p in prompt):
-            return [tok.encode(p, add_special_tokens=special) for p in prompt]
+            return (tok.encode(p, add_special_tokens=special) for p in prompt)
         raise BadRequest(f"prompt must be a string or a list of 1 to {MAX_PROMPTS} strings.")
 
     async def detokenize(self, request: Request) -> Response:
-        return await self._answer(request, self._detokenize,
-                                  lambda text: {"text": text, "prompt": text})
+        return await self._answer(request, self._detokenize)
 
-    def _detokenize(self, body: dict) -> str | list[str]:
+    def _detokenize(self, body: dict) -> bytes:
+        text = _json(self._texts(body))           # once, for both names
+        return b'{"text":%s,"prompt":%s}' % (text, text)
+
+    def _texts(self, body: dict) -> str | list[str]:
         skip = body.get("skip_special_tokens", False)
         if not isinstance(skip, bool):
             raise BadRequest("skip_special_tokens must be a boolean.")
@@ -116,13 +145,33 @@ class TokenizeHandler:
                          f"1 to {MAX_PROMPTS} such lists.")
 
 
+TRIM_AFTER = 1 << 20        # an answer this big: the heap it freed goes back to the system
+
+
+def _then_trim(work, body: dict) -> bytes:
+    """work(body); after a big answer, glibc's malloc_trim (where there is one): the process
+    otherwise keeps the heap the call freed (4 x 1,024 x 7 KB: 36 MB more)."""
+    content = work(body)
+    if len(content) > TRIM_AFTER and (trim := _malloc_trim()) is not None:
+        trim(0)
+    return content
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim      # glibc; not musl, not macOS
+    except (OSError, AttributeError):
+        return None
+
+
+def _json(value) -> bytes:
+    return dumps(value).encode("utf-8")
+
+
 def _ids(value, vocab: int) -> bool:
     return isinstance(value, list) and all(
         type(t) is int and 0 <= t < vocab for t in value)
-
-
-def _is_batch(ids: list) -> bool:
-    return bool(ids) and isinstance(ids[0], list)
 
 
 def _messages(value) -> list[ChatMessage]:
