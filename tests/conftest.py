@@ -50,8 +50,31 @@ def launch(tmp_path):
         s.terminate()
 
 
+@pytest.hookimpl(trylast=True)          # after -m has deselected: GPUs counted only if asked
 def pytest_collection_modifyitems(items):
     """End-to-end files first (stable otherwise): under pytest-xdist the files are handed to
     the workers in this order, and ending on short unit files keeps both workers busy to the
-    end instead of one waiting on the other's last server."""
+    end instead of one waiting on the other's last server. Tests marked `cuda` (`gpus=N`:
+    that many, default 1) are skipped, saying why, where this machine has fewer GPUs."""
     items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
+    gpus = None
+    for item in items:
+        if (marker := item.get_closest_marker("cuda")) is None:
+            continue
+        if gpus is None:
+            gpus, why = cuda_devices()
+        needs = marker.kwargs.get("gpus", 1)
+        if gpus < needs:
+            item.add_marker(pytest.mark.skip(reason=f"needs {needs} CUDA GPU"
+                                             f"{'s' * (needs > 1)}: {why}"))
+
+
+def cuda_devices() -> tuple[int, str]:
+    """(how many CUDA GPUs torch sees here, in words)."""
+    import torch
+    if torch.version.cuda is None:
+        return 0, f"torch {torch.__version__} is a CPU-only build"
+    if not torch.cuda.is_available():
+        return 0, "no CUDA GPU visible (driver, CUDA_VISIBLE_DEVICES)"
+    n = torch.cuda.device_count()
+    return n, f"{n} visible"
