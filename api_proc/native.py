@@ -16,7 +16,7 @@ from starlette.responses import Response
 from api_proc.boundary import BadRequest, JSONResponse, error_response, read_json
 from api_proc.pipeline import Pipeline, Prompt, expand, settle
 from api_proc.state import Dispatcher, RequestState, SubmitError
-from api_proc.streaming import DONE, SSEResponse, changes, sse
+from api_proc.streaming import DONE, KEEPALIVE, SSEResponse, changes, sse
 from wire.messages import MAX_TOP_LOGPROBS, GenerateRequest, LogprobRequest
 from wire.sampling import SamplingParams
 
@@ -212,7 +212,8 @@ class GenerateHandler:
 
     async def stream(self, request: Request, states: list[RequestState],
                      is_batch: bool) -> Response:
-        # Wait for each item's first output so a rejected prompt is a plain HTTP error.
+        # Wait for each item's admission (or first output) so that a rejected prompt is a
+        # plain HTTP error.
         early = await settle(request, self.dispatcher, states, [s.next() for s in states])
         if early is not None:
             return early
@@ -224,6 +225,9 @@ class GenerateHandler:
         with SGLang's error event; the other items are aborted."""
         try:
             async for changed in changes(states):
+                if not changed:
+                    yield KEEPALIVE
+                    continue
                 failed = next((states[i] for i in changed if states[i].error), None)
                 if failed is not None:
                     yield sse({"error": {"message": failed.error.message,

@@ -56,7 +56,7 @@ from starlette.routing import Route
 from api_proc.boundary import BadRequest, JSONResponse, read_json
 from api_proc.pipeline import Pipeline, Prompt, expand, settle
 from api_proc.state import Dispatcher, RequestState, SubmitError
-from api_proc.streaming import DONE, SSEResponse, changes, sse
+from api_proc.streaming import DONE, KEEPALIVE, SSEResponse, changes, sse
 from api_proc.reasoning import StreamSplitter
 from api_proc.reasoning import split as split_reasoning
 from api_proc.tools import ToolError, check_tools, forced_calls, forced_schema
@@ -632,7 +632,8 @@ class OpenAIHandler:
         return early or JSONResponse(reply.unary())
 
     async def _stream(self, request: Request, reply: "_Reply") -> Response:
-        # Wait for each choice's first output so a rejected prompt is a plain HTTP error.
+        # Wait for each choice's admission (or first output) so that a rejected prompt is a
+        # plain HTTP error.
         early = await settle(request, self.dispatcher, [c.state for c in reply.choices],
                              [c.state.next() for c in reply.choices], error_response)
         if early is not None:
@@ -647,6 +648,9 @@ class OpenAIHandler:
         started: set[int] = set()
         try:
             async for changed in changes(states):
+                if not changed:
+                    yield KEEPALIVE
+                    continue
                 failed = next((states[i].error for i in changed if states[i].error), None)
                 if failed is not None:
                     yield sse(error_json(failed.message or "The request failed.",

@@ -41,6 +41,13 @@ request_log = logging.getLogger("zserve.requests")
 PEER_ABORT_TIMEOUT = 5.0    # seconds for the other API processes to answer an abort
 
 
+def is_admission(out: TextOutput) -> bool:
+    """The scheduler's word that a streamed request passed its checks and is queued
+    (scheduler.admit): no finish, and no queue time yet (every output after the first
+    forward has one)."""
+    return out.finish is None and out.queue_time is None and not out.new_ids
+
+
 class SubmitError(ValueError):
     """A request the dispatcher refuses; the message is for the client (HTTP 400)."""
 
@@ -137,6 +144,11 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return self.last is not None and self.last.finish is not None
+
+    @property
+    def admitted_only(self) -> bool:
+        """Nothing has come but the scheduler's admission (is_admission): no text to show."""
+        return self.last is not None and is_admission(self.last) and not self.output_ids
 
     @property
     def error(self) -> FinishReason | None:
@@ -482,9 +494,10 @@ class Dispatcher:
             if state is None:
                 continue                          # ended here already (timeout, lost, ...)
             terminal = out.finish is not None
-            state.timing.mark_output(now, terminal, len(out.new_ids))
-            if state.route is not None:
-                metrics().output(state.timing.last_gap)
+            if not is_admission(out):             # not a token: no latency of its own
+                state.timing.mark_output(now, terminal, len(out.new_ids))
+                if state.route is not None:
+                    metrics().output(state.timing.last_gap)
             if terminal:
                 self._forget(state)
             state.push(out)

@@ -6,6 +6,11 @@ ready to write one, from the requests' folded state (`changes`), so a client tha
 slowly gets fewer, larger frames (cumulative frames: only the newest matters; incremental
 frames: the deltas since the previous frame), never a backlog of frames. A client that
 does not read at all for `--send-timeout` seconds has its requests aborted.
+
+A stream's HTTP response starts when every item passed every check (the tokenizer's, the
+scheduler's admission: queue limit, grammar compile), which the scheduler says with an
+empty admission output (scheduler.admit); rejections before that are plain HTTP errors,
+failures after it an error event in the stream.
 """
 
 from __future__ import annotations
@@ -22,6 +27,12 @@ from api_proc.state import RequestState
 log = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
+# An SSE comment (clients skip it), sent after KEEPALIVE_S seconds without a frame: a
+# stream queued behind others has its HTTP response at once (once every check passed) and
+# keeps its connection busy while it waits, so no client read timeout (httpx's default is
+# 5 s) fires before its first token.
+KEEPALIVE = ": keep-alive\n\n"
+KEEPALIVE_S = 3.0
 
 
 def sse(obj: dict) -> str:
@@ -29,24 +40,33 @@ def sse(obj: dict) -> str:
 
 
 async def changes(states: list[RequestState]) -> AsyncIterator[list[int]]:
-    """Yields the indices of the states that have something new (outputs folded in), first
-    all of them (what was taken before the stream started), until every state finished."""
+    """Yields the indices of the states that have something new to show (outputs folded
+    in), first those that have something already, until every state finished; an empty
+    list after KEEPALIVE_S seconds without news (the caller sends KEEPALIVE). A state whose
+    only output is the scheduler's admission has nothing to show yet."""
     event = asyncio.Event()
     for s in states:
         s.listener = event
     for s in states:
         s.take()
-    yield list(range(len(states)))
+    first = [i for i, s in enumerate(states) if not s.admitted_only]
+    if first:
+        yield first
     remaining = {i for i, s in enumerate(states) if not s.finished}
     while remaining:
         changed = [i for i in sorted(remaining) if states[i].pending]
         if not changed:
             event.clear()
-            await event.wait()
+            try:
+                await asyncio.wait_for(event.wait(), KEEPALIVE_S)
+            except asyncio.TimeoutError:
+                yield []
             continue
         for i in changed:
             states[i].take()
-        yield changed
+        shown = [i for i in changed if not states[i].admitted_only]
+        if shown:
+            yield shown
         remaining -= {i for i in changed if states[i].finished}
 
 

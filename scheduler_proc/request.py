@@ -17,7 +17,7 @@ class Req:
 
     __slots__ = ("rid", "api", "input_ids", "sampling", "stream", "output_ids", "slots", "row",
                  "prefix_node", "prefix_len", "cached_tokens", "arrived_at", "queue_time",
-                 "finish", "announced", "first_token_at", "generator", "logprob", "input_logprobs",
+                 "finish", "announced", "decode_sent", "first_token_at", "generator", "logprob", "input_logprobs",
                  "pending_logprobs", "held_ids", "grammar", "grammar_future")
 
     def __init__(self, msg: TokenizedRequest, device: torch.device | str = "cpu"):
@@ -36,9 +36,10 @@ class Req:
         self.queue_time: float | None = None
         self.first_token_at: float | None = None     # when its first token was sampled
         self.finish: FinishReason | None = None
-        self.announced = False               # has the detokenizer seen DecodeParams yet
+        self.announced = False               # has a token output (or the end) been sent
+        self.decode_sent = False             # has the detokenizer seen DecodeParams yet
         self.held_ids: list[int] = []        # sampled, not sent yet (see Scheduler.emit)
-        # Constrained decoding (scheduler_proc/grammar.py): the compile in progress, then
+        # Constrained decoding (scheduler_proc/grammar.py, grammars/): the compile in progress, then
         # this request's matcher, which has consumed exactly output_ids.
         self.grammar_future = None
         self.grammar = None

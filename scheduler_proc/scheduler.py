@@ -270,10 +270,8 @@ class Scheduler:
         arrivals, self.arrivals = self.arrivals, []
         limit = self.args.max_queued_requests
         queued = len(self.waiting) + len(self.compiling)
-        if limit is None or queued <= limit:
-            return
         for req in reversed(arrivals):            # newest first
-            if queued <= limit:
+            if limit is None or queued <= limit:
                 break
             if req.finish is None and req.row is None:    # not admitted, not ended
                 self.finish(req, FinishReason(
@@ -281,6 +279,9 @@ class Scheduler:
                     message=f"The request queue is full ({limit} requests waiting); try "
                             f"again later."))
                 queued -= 1
+        for req in arrivals:
+            if req.grammar_future is None and req.grammar is None:
+                self.admit(req)                   # grammar requests: once it compiled
 
     def abort(self, msg: AbortRequest) -> None:
         if msg.abort_all:
@@ -326,6 +327,7 @@ class Scheduler:
                             f"{type(e).__name__}: {e}"))
                 continue
             self.waiting.append(req)
+            self.admit(req)
 
     def wait_grammars(self, timeout: float) -> None:
         """Block until some compile is done or `timeout` seconds pass (the idle loop's wait
@@ -515,12 +517,22 @@ class Scheduler:
         self.outputs.append(TokenOutput(
             rid=req.rid, new_ids=new_ids, finish=finish, prompt_tokens=len(req.input_ids),
             cached_tokens=req.cached_tokens or 0, queue_time=req.queue_time,
-            decode=req.decode_params() if first else None,
+            decode=None if req.decode_sent else req.decode_params(),
             logprobs=req.pending_logprobs if new_ids else None,
             input_logprobs=req.input_logprobs if first and req.wants_input_logprobs else None,
             prefill_time=prefill_time, decode_time=decode_time))
         req.pending_logprobs = None
-        req.announced = True
+        req.announced = req.decode_sent = True
+
+    def admit(self, req: Req) -> None:
+        """Tell a streamed request's client it passed every check (it is queued to run): an
+        output with no tokens, no finish and no queue_time yet (the API starts the stream's
+        HTTP response on it; DESIGN.md: rejections are decided before it)."""
+        if req.stream and not req.decode_sent and req.finish is None:
+            self.outputs.append(TokenOutput(
+                rid=req.rid, new_ids=[], finish=None, prompt_tokens=len(req.input_ids),
+                cached_tokens=0, queue_time=None, decode=req.decode_params()))
+            req.decode_sent = True
 
     # ---- introspection ------------------------------------------------------------------
 

@@ -115,7 +115,7 @@ class Server:
             assert r.status_code == 200, r.read()
             assert r.headers["content-type"].startswith("text/event-stream")
             raw = "".join(r.iter_text())
-        events = [e for e in raw.split("\n\n") if e]
+        events = [e for e in raw.split("\n\n") if e and not e.startswith(":")]  # comments
         assert events[-1] == "data: [DONE]", events[-1]
         for e in events[:-1]:
             assert e.startswith("data: "), e

@@ -315,6 +315,20 @@ def test_a_grammar_that_fails_to_compile_ends_its_requests_with_a_400():
     assert_pool_idle(s)
 
 
+def test_a_streamed_constrained_request_is_admitted_only_once_its_grammar_compiled():
+    s, batches, _ = make()
+    good, bad = constrained("good"), constrained("bad", "bad grammar")
+    good.stream = bad.stream = True
+    s.step([good, bad])
+    assert not [o for b in batches for o in b.outputs]          # compiling: nothing yet
+    s.grammars.resolve()
+    run_compiled(s, [])
+    out = {rid: [o for b in batches for o in b.outputs if o.rid == rid]
+           for rid in ("good", "bad")}
+    assert out["good"][0].new_ids == [] and out["good"][0].finish is None   # the admission
+    assert len(out["bad"]) == 1 and out["bad"][0].finish.status_code == 400  # none for it
+
+
 def test_a_fault_in_the_compiler_is_a_500_for_that_request_only():
     s, batches, _ = make()
     s.step([constrained("a", "stop:1"), request("b")])

@@ -254,6 +254,35 @@ def test_max_queued_requests(guarded):
         del s.client.headers["Authorization"]
 
 
+def test_a_queued_stream_gets_its_response_before_it_runs(guarded):
+    """Issue 20: the status line used to wait for the first token, so a client with a
+    header timeout gave up on a stream queued behind others. Now the response starts once
+    the request is admitted: observed while both running slots are taken and it waits."""
+    s = guarded
+    blocker = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 480,
+                                                           "ignore_eos": True}}
+    with ThreadPoolExecutor(2) as pool, httpx.Client(base_url=s.url, timeout=120,
+                                                     headers=USER) as c:
+        blockers = [pool.submit(c.post, "/generate", json=blocker) for _ in range(2)]
+        wait_until(lambda: c.get("/server_info").json()["running_requests"] == 2,
+                   what="both slots taken")
+        with c.stream("POST", "/generate", json={
+                "input_ids": [8, 9], "stream": True,
+                "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}) as r:
+            assert r.status_code == 200
+            info = c.get("/server_info").json()   # the slots are still taken: it waits
+            lines = [ln for ln in r.iter_lines() if ln and not ln.startswith(":")]
+        assert all(b.result().status_code == 200 for b in blockers)
+    assert (info["running_requests"], info["queued_requests"]) == (2, 1), info
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][len("data: "):])["meta_info"]["completion_tokens"] == 4
+    s.client.headers.update(USER)
+    try:
+        wait_idle(s)
+    finally:
+        del s.client.headers["Authorization"]
+
+
 def test_auth_on_a_live_server(guarded):
     s = guarded
     assert s.client.get("/health").status_code == 200

@@ -105,7 +105,7 @@ async def stream(client: httpx.AsyncClient, body: dict, hang_up_after: int | Non
         if hang_up_after == 0:
             return frames
         async for line in r.aiter_lines():
-            if not line:
+            if not line or line.startswith(":"):        # an SSE comment: keep-alive
                 continue
             assert line.startswith("data: "), line
             if line == "data: [DONE]":

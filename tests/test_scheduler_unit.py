@@ -476,10 +476,37 @@ def test_held_outputs_of_a_request_nobody_watches():
                        _streamed(request("loud", max_new_tokens=5, ignore_eos=True)),
                        request("stops", max_new_tokens=5, ignore_eos=True, stop=["x"])])
     assert [len(o.new_ids) for o in outputs(batches, "quiet")] == [1, 50, 50, 19]
-    assert [len(o.new_ids) for o in outputs(batches, "loud")] == [1] * 5
+    assert [len(o.new_ids) for o in outputs(batches, "loud")] == [0] + [1] * 5  # admission
     assert [len(o.new_ids) for o in outputs(batches, "stops")] == [1] * 5
     assert ids_of(batches, "quiet") == expected_ids(3, 120)
     assert_pool_idle(s)
+
+
+def test_a_streamed_request_is_admitted_before_its_first_token():
+    """The admission (scheduler.admit): an output with no ids, no finish, no queue time and
+    the DecodeParams, sent once the request passed every check; the outputs after it carry
+    no DecodeParams. Unary requests get none."""
+    s, batches, _ = make()
+    run_until_idle(s, [_streamed(request("s", max_new_tokens=3, ignore_eos=True)),
+                       request("u", max_new_tokens=3, ignore_eos=True)])
+    first, *rest = outputs(batches, "s")
+    assert first.new_ids == [] and first.finish is None and first.queue_time is None
+    assert first.decode is not None and all(o.decode is None for o in rest)
+    assert all(o.queue_time is not None for o in rest) and rest[-1].finish is not None
+    u = outputs(batches, "u")
+    assert u[0].new_ids and u[0].decode is not None
+
+
+def test_no_admission_for_a_stream_refused_at_the_queue_limit():
+    s, batches, _ = make(max_running=1, max_queued_requests=1)
+    run_until_idle(s, [_streamed(request(f"q{i}", max_new_tokens=2, ignore_eos=True))
+                       for i in range(4)])
+    refused = [rid for rid in ("q0", "q1", "q2", "q3")
+               if outputs(batches, rid)[-1].finish.status_code == 503]
+    assert refused
+    for rid in refused:
+        [only] = outputs(batches, rid)                # the 503 alone: no admission before it
+        assert only.decode is not None
 
 
 def test_held_outputs_go_out_with_an_abort_or_a_release():
