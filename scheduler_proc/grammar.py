@@ -21,6 +21,24 @@ Where each part runs:
   so tensor parallelism needs nothing more.
 - `Matcher.consume(token)`: the scheduler, after sampling, for each constrained request.
 
+- `steer(bitmask, matchers, remaining)`: the sampler, after the masks: a request whose
+  token budget is about to run out is steered to end its grammar in time (below).
+
+Ending within the budget (`Closer`): a small model asked for JSON with an unbounded string
+or number can go on writing it until max_new_tokens and return text that does not parse.
+In its last STEER_WINDOW tokens, every step, a constrained request's matcher is rolled out
+(on a copy) along a closing policy: end where the grammar allows it (EOS), else take what
+the grammar forces (llguidance's fast-forward tokens: a key, a separator), else the first
+allowed of `"`, `}`, `]`, else the first allowed single-byte token in a fixed order
+(digits, letters, the rest). The rollout's length bounds what closing takes (its free
+choices are single-byte tokens), so once it comes within
+STEER_SLACK tokens of the budget, the request takes the rollout's first token instead of
+sampling: it ends with a whole match (finish_reason stop), up to STEER_SLACK tokens before
+its budget. Cost: a rollout is a few llguidance token checks per step (well under a
+millisecond), in a request's last STEER_WINDOW tokens only. Where the policy cannot close
+the grammar within the budget (a regex that needs a letter the order never reaches, a
+required structure longer than the window) nothing is steered.
+
 Invariant (kept by the scheduler): a request's matcher has consumed exactly its output ids,
 in order. A retracted request keeps its output ids (it is recomputed, not regenerated), so
 its matcher stays as it is; `Matcher.sync` rebuilds it from the output ids if they ever
@@ -41,19 +59,63 @@ from grammars.llg import (COMPILE_STACK, GrammarError, error, first_error, is_li
 
 log = logging.getLogger(__name__)
 
+STEER_WINDOW = 64           # a request's last tokens in which closing is planned each step
+STEER_SLACK = 8             # steer once closing takes this close to the budget
 COMPILE_THREADS = 2         # the scheduler's compile pool
 COMPILE_NICE = 10           # added to a compile thread's OS nice value
 CACHE_SIZE = 128            # compiled grammars kept per scheduler (LRU)
 
-__all__ = ["GrammarCompiler", "GrammarError", "Matcher", "fill_bitmask"]
+__all__ = ["Closer", "GrammarCompiler", "GrammarError", "Matcher", "fill_bitmask", "steer"]
+
+
+class Closer:
+    """The closing policy over one vocabulary (module docstring): `plan(m, cap)` is the
+    (length, first token) of the shortest way to end that the policy finds from matcher m,
+    or None if it finds none within cap tokens."""
+
+    FIRST = (b'"', b"}", b"]")
+
+    def __init__(self, tokenizer, eos: int):
+        self.eos = eos
+        singles: dict[bytes, int] = {}
+        for t in range(tokenizer.vocab_size):
+            if not tokenizer.is_special_token(t):
+                b = tokenizer.decode_bytes([t])
+                if len(b) == 1:
+                    singles.setdefault(b, t)
+        rank = {b: i for i, b in enumerate(
+            [*self.FIRST, *(bytes([c]) for c in b"0123456789"),
+             *(bytes([c]) for c in range(ord("a"), ord("z") + 1)),
+             *(bytes([c]) for c in range(ord("A"), ord("Z") + 1))])}
+        self.order = [t for _, t in sorted(singles.items(),
+                                           key=lambda kv: (rank.get(kv[0], len(rank)), kv[0]))]
+
+    def plan(self, m, cap: int) -> tuple[int, int] | None:
+        m = m.deep_copy()
+        first = None
+        for n in range(cap + 1):
+            if m.is_stopped():
+                return (n, first) if first is not None else None
+            if m.is_accepting():                  # EOS ends it here: one more token
+                return n + 1, self.eos if first is None else first
+            if n == cap:
+                return None
+            forced = m.compute_ff_tokens()        # what the grammar dictates, as the model
+            token = forced[0] if forced else next(   # would spell it (merged tokens)
+                (t for t in self.order if m.validate_tokens([t]) == 1), None)
+            if token is None or not m.consume_token(token):
+                return None
+            first = token if first is None else first
+        return None
 
 
 class Matcher:
     """One request's position in its grammar. `consumed`: tokens consumed so far."""
 
-    __slots__ = ("m", "template", "consumed", "n_vocab", "limit_error")
+    __slots__ = ("m", "template", "consumed", "n_vocab", "limit_error", "closer")
 
-    def __init__(self, template, n_vocab: int):
+    def __init__(self, template, n_vocab: int, closer: Closer | None = None):
+        self.closer = closer            # the vocabulary's closing policy (None: no steering)
         self.template = template        # the compiled, never-advanced matcher (shared)
         self.m = template.deep_copy()
         self.consumed = 0
@@ -69,6 +131,16 @@ class Matcher:
         # limits (the grammar's fault, a 400) where its error says so.
         self.limit_error = "" if ok or not is_limit(self.m.get_error()) else self.m.get_error()
         return ok
+
+    def steer(self, remaining: int) -> int | None:
+        """The token this request must take now to end its grammar within `remaining`
+        tokens (this step's included), or None to sample freely."""
+        if self.closer is None or remaining > STEER_WINDOW or self.m.is_error():
+            return None
+        plan = self.closer.plan(self.m, remaining)
+        if plan is None or plan[0] + STEER_SLACK < remaining:
+            return None
+        return plan[1]
 
     @property
     def stopped(self) -> bool:
@@ -106,6 +178,7 @@ class GrammarCompiler:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar",
                                        initializer=_lower_priority)
         self._tokenizer = None
+        self._closer: Closer | None = None
         self._n_vocab = vocab_size
         self._lock = threading.Lock()
         self.checker = Checker()        # this scheduler's own: it trusts no tokenizer
@@ -127,7 +200,7 @@ class GrammarCompiler:
     def matcher(self, fut: Future) -> Matcher:
         """A fresh matcher from a done future; raises GrammarError (or, for a fault in the
         compiler itself, whatever it raised)."""
-        return Matcher(fut.result(), self._n_vocab)
+        return Matcher(fut.result(), self._n_vocab, self._closer)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -154,6 +227,7 @@ class GrammarCompiler:
                 eos = self.eos_ids or [hf.eos_token_id or 0]
                 self._tokenizer = llguidance.LLTokenizer(hf.backend_tokenizer.to_str(),
                                                          n_vocab=self._n_vocab, eos_token=eos)
+                self._closer = Closer(self._tokenizer, eos[0])
                 log.info("grammar tokenizer ready (%d tokens)", self._n_vocab)
             return self._tokenizer
 
@@ -203,4 +277,15 @@ def fill_bitmask(matchers: list[Matcher]):
     else:
         _parallel().unsafe_compute_mask_ptr([(m.m, j) for j, m in enumerate(matchers)],
                                             bitmask.ctypes.data, words * 4, len(matchers))
+    return bitmask
+
+
+def steer(bitmask, matchers: list[Matcher], remaining: list[int]):
+    """Rows of `bitmask` (fill_bitmask's) narrowed to the one token a request must take to
+    end its grammar within its `remaining` tokens (Matcher.steer); the same array."""
+    for j, (m, left) in enumerate(zip(matchers, remaining)):
+        token = m.steer(left)
+        if token is not None and bitmask[j, token // 32] >> (token % 32) & 1:
+            bitmask[j] = 0
+            bitmask[j, token // 32] = 1 << (token % 32) if token % 32 != 31 else -(1 << 31)
     return bitmask

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from scheduler_proc.grammar import fill_bitmask
+from scheduler_proc.grammar import fill_bitmask, steer
 from wire.messages import Logprobs
 from wire.sampling import FLOAT32_MAX, SamplingParams
 
@@ -352,7 +352,9 @@ def constrain(logits: torch.Tensor, reqs) -> torch.Tensor:
     rows = [i for i, r in enumerate(reqs) if getattr(r, "grammar", None) is not None]
     if not rows:
         return logits
-    return apply_token_bitmask(logits, rows, fill_bitmask([reqs[i].grammar for i in rows]))
+    matchers = [reqs[i].grammar for i in rows]
+    remaining = [reqs[i].sampling.max_new_tokens - len(reqs[i].output_ids) for i in rows]
+    return apply_token_bitmask(logits, rows, steer(fill_bitmask(matchers), matchers, remaining))
 
 
 def sample_tokens(logits: torch.Tensor, reqs, eos_ids: list[int]) -> list[int]:

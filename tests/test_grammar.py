@@ -12,6 +12,7 @@ import threading
 import time
 
 import numpy as np
+import json
 import select
 
 import pytest
@@ -20,7 +21,8 @@ import torch
 from api_proc.openai_api import OpenAIError, parse_chat, parse_completion
 from scheduler_proc import scheduler as scheduler_mod
 from grammars.checker import Checker
-from scheduler_proc.grammar import GrammarCompiler, GrammarError, fill_bitmask
+from scheduler_proc.grammar import (STEER_WINDOW, GrammarCompiler, GrammarError, fill_bitmask,
+                                    steer)
 from scheduler_proc.sampler import (apply_token_bitmask, bitmask_bias, constrain,
                                     sample_tokens, token_logprobs, unpack_bias)
 from test_scheduler_unit import (assert_pool_idle, finishes, ids_of, make, request,
@@ -502,3 +504,46 @@ def test_bad_response_formats_are_400_naming_the_field(parse, body, param, fragm
             parse_completion({"prompt": "hi", **body}, MODEL)
     assert e.value.status == 400 and e.value.param == param
     assert fragment in str(e.value), str(e.value)
+
+
+# ---- ending within the budget (grammar.Closer, grammar.steer) -----------------------------
+
+def babble(compiler, hf, kind: str, text: str, budget: int, likes: bytes) -> tuple[str, bool]:
+    """Decode with a 'model' that always picks an allowed token spelling one of `likes`
+    (or else the lowest allowed id), steered by the budget; (the text, grammar complete)."""
+    m = compiled(compiler, kind, text)
+    vocab = m.n_vocab
+    liked = [t for t in range(len(hf)) if hf.decode([t]).encode() in
+             [bytes([c]) for c in likes]]
+    out: list[int] = []
+    while len(out) < budget and not m.stopped:
+        row = steer(fill_bitmask([m]), [m], [budget - len(out)])[0]
+        ok = allowed(row, vocab)
+        token = next((t for t in liked if t in ok), min(ok))
+        assert m.consume(token)
+        out.append(token)
+    return hf.decode(out), m.stopped or m.m.is_accepting()
+
+
+@pytest.mark.parametrize("budget", [16, 40, 64, 120])
+def test_an_unbounded_string_is_closed_within_the_budget(compiler, hf, budget):
+    schema = {"type": "object", "properties": {"s": {"type": "string"},
+                                               "n": {"type": "integer"}},
+              "required": ["s", "n"], "additionalProperties": False}
+    text, done = babble(compiler, hf, "json_schema", json.dumps(schema), budget, b"ab")
+    assert done, text
+    obj = json.loads(text)
+    assert set(obj) == {"s", "n"} and isinstance(obj["n"], int)
+
+
+def test_nested_arrays_and_numbers_are_closed_too(compiler, hf):
+    schema = {"type": "array", "items": {"type": "object", "properties": {
+        "v": {"type": "array", "items": {"type": "number"}}}, "required": ["v"]}}
+    text, done = babble(compiler, hf, "json_schema", json.dumps(schema), 48, b"1, ")
+    assert done and isinstance(json.loads(text), list), text
+
+
+def test_nothing_is_steered_before_the_budget_is_in_sight(compiler, hf):
+    """A string the 'model' never ends: it runs past the window's start, then is closed."""
+    text, done = babble(compiler, hf, "json_schema", '{"type": "string"}', 200, b"ab")
+    assert done and json.loads(text) and len(text) > 200 - STEER_WINDOW
