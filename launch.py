@@ -47,7 +47,7 @@ from wire.messages import ApiControl, NodeBye, NodeHello, NodeReply
 from wire.model_path import (SIDECAR_FILE, StartupError, describe_source, gguf_sidecar_dir,
                              model_facts, model_fingerprint, resolve_model_path)
 from wire.proc import read_ready
-from wire.cpu import runs_avx2_kernels
+from wire.cpu import runs_avx2_kernels, widest_isa
 from wire.server_args import (ServerArgs, ServerConfig, concrete_dtype, quantization_refusal,
                               split_host_port)
 
@@ -64,6 +64,7 @@ def resolve_args(args: ServerArgs) -> ServerConfig:
     if args.device == "cuda" and not _cuda_visible():
         raise StartupError("--device cuda: no CUDA device is visible on this machine (no "
                            "NVIDIA driver); use --device cpu")
+    widest_isa()                      # a bad ZSERVE_CPU_ISA: one line here, not at a TP load
     given = args.model_path
     path = resolve_model_path(given if given is not None else default_model())
     name = args.served_model_name

@@ -149,9 +149,11 @@ def test_malformed_bodies_are_400_not_500(server, raw):
 
 # ---- streams ----------------------------------------------------------------------------------
 
-def test_a_stream_that_is_never_read_is_aborted(server):
-    """The client stops reading: the server must neither buffer without bound nor keep
-    generating; after --send-timeout the requests are aborted and the connection dropped."""
+def never_read(server) -> int:
+    """A 16-item stream of LONG requests from a client that reads nothing (a 4 KB receive
+    buffer): once --send-timeout aborts it and drops the connection, the tokens generated
+    for it."""
+    before = wait_idle(server)["generated_tokens_total"]
     body = json.dumps({"input_ids": [[5, 6, 7]] * 16, "stream": True,
                        "sampling_params": LONG}).encode()
     sock = socket.socket()
@@ -160,10 +162,17 @@ def test_a_stream_that_is_never_read_is_aborted(server):
     sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     wait_until(lambda: "read nothing for" in server.logs(), what="the stalled-stream warning")
-    wait_idle(server)
+    info = wait_idle(server)
     sock.settimeout(30)
     assert closed_by_server(sock)
     sock.close()
+    return info["generated_tokens_total"] - before
+
+
+def test_a_stream_that_is_never_read_is_aborted(server):
+    """The client stops reading: the server must neither buffer without bound nor keep
+    generating; after --send-timeout the requests are aborted and the connection dropped."""
+    never_read(server)
     assert server.generate_ok(text="after", sampling_params={"max_new_tokens": 2})
 
 
@@ -177,21 +186,7 @@ def incremental(tiny_model, tmp_path_factory):
 def test_an_incremental_stream_that_is_never_read_is_aborted(incremental):
     """Incremental frames are small: without a bounded send buffer the kernel took all of
     them (issue 20: 64,000 tokens generated for a client that read nothing)."""
-    server = incremental
-    before = server.server_info()["generated_tokens_total"]
-    body = json.dumps({"input_ids": [[5, 6, 7]] * 16, "stream": True,
-                       "sampling_params": LONG}).encode()
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", server.port))
-    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    wait_until(lambda: "read nothing for" in server.logs(), what="the stalled-stream warning")
-    wait_idle(server)
-    sock.settimeout(30)
-    assert closed_by_server(sock)
-    sock.close()
-    generated = server.server_info()["generated_tokens_total"] - before
+    generated = never_read(incremental)
     assert generated < 16 * LONG["max_new_tokens"], generated
 
 

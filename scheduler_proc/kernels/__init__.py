@@ -104,6 +104,8 @@ def build_library(out_dir: pathlib.Path, cc: str) -> ctypes.CDLL | None:
             # Build beside the target, then rename: concurrent builders never see half a file.
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
             os.close(fd)
+            log.info("compiling zserve's CPU kernels into %s (once per version of their "
+                     "sources: a few seconds)", out_dir)
             try:
                 subprocess.run([cc, *COMPILE, "-o", tmp,
                                 *map(str, SOURCES), "-lm"],

@@ -27,7 +27,6 @@ import contextlib
 import functools
 import json
 import logging
-import threading
 from pathlib import Path
 
 import torch
@@ -72,10 +71,8 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.d
     gguf_path = gguf.find_gguf(model_path)
     header = gguf.read_header(gguf_path) if gguf_path is not None else None
     # The first touch of the CPU kernels (kernels.avx2_available): they compile here on a
-    # first start after an install or an update, seconds of otherwise silent startup.
-    with _said_if_slow("compiling zserve's CPU kernels (once per version of their sources; "
-                       "cached in $ZSERVE_CACHE/kernels, by default ~/.cache/zserve)"):
-        _check_quantization(quantization, header is not None, torch.device(device), tp)
+    # first start after an install or an update (kernels.build_library says so in the log).
+    _check_quantization(quantization, header is not None, torch.device(device), tp)
     if header is not None:
         config = ModelConfig.from_dict(gguf.config_dict(header), gguf.generation_dict(header))
     else:
@@ -111,19 +108,6 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.d
         _replace_linears(model, layer)
     model.fast = FastDecode.of(model)
     return model
-
-
-@contextlib.contextmanager
-def _said_if_slow(message: str, after: float = 1.0):
-    """Log `message` if the block is still running `after` seconds in: a slow step that
-    happens only on a first start says what it is doing, and a warm start stays quiet."""
-    timer = threading.Timer(after, log.info, args=(message,))
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
 
 
 def _check_quantization(quantization: str, is_gguf: bool, device: torch.device, tp) -> None:
