@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import shutil
 import subprocess
-import time
 
 import pytest
 import torch
