@@ -233,7 +233,7 @@ def main() -> None:
     except ImportError:
         pass
     os.nice(CHECK_NICE)                            # the model's steps come first
-    from grammars.llg import CHECK_STACK, validate_here
+    from grammars.llg import CHECK_STACK, client_message, validate_here
     work: queue.Queue = queue.Queue()
     out = sys.stdout.buffer
 
@@ -242,8 +242,9 @@ def main() -> None:
             seq, kind, text = item
             try:
                 verdict = validate_here(kind, text)
-            except Exception as e:                 # a bug in the library's Python side
-                verdict = f"The grammar could not be checked: {type(e).__name__}: {e}"[:1000]
+            except BaseException as e:    # noqa: BLE001 - a Rust panic is a BaseException
+                verdict = (f"The grammar could not be checked: {type(e).__name__}: "
+                           f"{client_message(str(e))}")
             data = msgpack.packb([seq, verdict])
             out.write(_LEN.pack(len(data)) + data)
             out.flush()

@@ -126,7 +126,13 @@ class Matcher:
         """Advance by a sampled token; False if the grammar does not allow it (the matcher
         is then in an error state: see `error` and `limit_error`)."""
         self.consumed += 1
-        ok = self.m.consume_token(token)
+        try:
+            ok = self.m.consume_token(token)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:    # noqa: BLE001 - a Rust panic: this request's grammar
+            self.limit_error = f"the grammar engine failed ({type(e).__name__}: {e})"
+            return False
         # The mask allowed the token, so a refusal is llguidance running past one of its
         # limits (the grammar's fault, a 400) where its error says so.
         self.limit_error = "" if ok or not is_limit(self.m.get_error()) else self.m.get_error()
@@ -234,8 +240,13 @@ class GrammarCompiler:
 
 def _matcher(kind: str, text: str, tokenizer):
     from llguidance import LLMatcher
-    m = LLMatcher(tokenizer, to_llguidance(kind, text), log_level=0)
-    problem = first_error(m)
+    try:
+        m = LLMatcher(tokenizer, to_llguidance(kind, text), log_level=0)
+        problem = first_error(m)
+    except (GrammarError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:    # noqa: BLE001 - a Rust panic (pyo3) is a BaseException
+        raise error(kind, f"{type(e).__name__}: {e}") from None
     if problem:
         raise error(kind, problem)
     return m
@@ -272,12 +283,17 @@ def fill_bitmask(matchers: list[Matcher]):
     import numpy as np                  # here: the tokenizer process imports this module
     words = (max(m.n_vocab for m in matchers) + 31) // 32
     bitmask = np.zeros((len(matchers), words), dtype=np.int32)
-    if len(matchers) == 1:
-        matchers[0].m.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
-    else:
-        _parallel().unsafe_compute_mask_ptr([(m.m, j) for j, m in enumerate(matchers)],
-                                            bitmask.ctypes.data, words * 4, len(matchers))
-    return bitmask
+    try:
+        if len(matchers) == 1:
+            matchers[0].m.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
+        else:
+            _parallel().unsafe_compute_mask_ptr([(m.m, j) for j, m in enumerate(matchers)],
+                                                bitmask.ctypes.data, words * 4, len(matchers))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:        # noqa: BLE001 - a Rust panic is a BaseException: as an
+        raise RuntimeError(f"the grammar engine failed: {e}") from None   # Exception, the
+    return bitmask                    # step's requests end with an error, not the process
 
 
 def steer(bitmask, matchers: list[Matcher], remaining: list[int]):

@@ -280,8 +280,8 @@ class Scheduler:
                             f"again later."))
                 queued -= 1
         for req in arrivals:
-            if req.grammar_future is None and req.grammar is None:
-                self.admit(req)                   # grammar requests: once it compiled
+            if req.grammar_future is None:        # still compiling: admitted once it is done
+                self.admit(req)
 
     def abort(self, msg: AbortRequest) -> None:
         if msg.abort_all:
@@ -327,7 +327,8 @@ class Scheduler:
                             f"{type(e).__name__}: {e}"))
                 continue
             self.waiting.append(req)
-            self.admit(req)
+            if not any(req is r for r in self.arrivals):
+                self.admit(req)                   # an arrival: once limit_queue passed it
 
     def wait_grammars(self, timeout: float) -> None:
         """Block until some compile is done or `timeout` seconds pass (the idle loop's wait

@@ -63,6 +63,8 @@ class Expect:
     ids: list[int] = field(default_factory=list)
     outputs: int = 0
     done: bool = False
+    stream: bool = False
+    admitted: bool = False                # its admission output came (streams only)
 
     def natural_end(self) -> tuple[str, int]:
         """("length" | "stop", tokens generated) as check_finished decides it."""
@@ -151,7 +153,7 @@ class Run:
         if rng.random() < 0.02:
             msg.input_ids = ids + [VOCAB]                      # forged: outside the vocab
         e = Expect(len(msg.input_ids), max_new, min_new, stop_ids, logprob=logprob,
-                   input_ids=msg.input_ids)
+                   input_ids=msg.input_ids, stream=msg.stream)
         room = self.pool - len(ids) + 1
         if msg.fit_context and len(ids) + max_new < CONTEXT and max_new > room >= 1:
             e.max_new, e.min_new = room, min(min_new, room)
@@ -243,8 +245,19 @@ class Run:
             self.fail(f"output for {out.rid!r}, which is {'done' if e else 'unknown'}: {out}")
         if "early" in e.causes and (out.finish is None or out.finish.type != "abort"):
             self.fail(f"{out.rid} was aborted before it arrived but got {out}")
-        if (out.decode is not None) != (e.outputs == 0):
+        if out.finish is None and out.queue_time is None and not out.new_ids:
+            # The admission (scheduler.admit): a stream's first output, once it passed every
+            # check; it carries the DecodeParams, and no logprobs.
+            if not e.stream or e.admitted or e.outputs or out.decode is None or e.reject \
+                    or out.logprobs is not None or out.input_logprobs is not None:
+                self.fail(f"{out.rid}: an admission out of place: {out} ({e})")
+            e.admitted = True
+            return
+        if (out.decode is not None) != (e.outputs == 0 and not e.admitted):
             self.fail(f"{out.rid}: DecodeParams on output {e.outputs}")
+        if out.finish is not None and out.finish.status_code in (400, 503) and e.admitted \
+                and not e.ids:
+            self.fail(f"{out.rid}: admitted, then refused: {out.finish}")
         e.outputs += 1
         e.ids += out.new_ids
         want = [token_after(e.prompt_len + i) for i in range(len(e.ids))]
