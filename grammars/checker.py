@@ -7,7 +7,9 @@ Each serving process that checks grammars (a tokenizer worker, a scheduler) owns
 with it (its stdin closes; PR_SET_PDEATHSIG where the owner is killed). The child reads
 requests on its stdin into a queue and answers each, in order, on its stdout; frames are a
 4-byte big-endian length and a msgpack array (nothing pickled): [seq, kind, text] in,
-[seq, verdict] out, where the verdict is "" for a valid grammar or the client-facing error.
+[seq, verdict] out, where the verdict is "" for a valid grammar or the client-facing error;
+a child's first frame is [READY, ""], once it has imported llguidance (a check's time runs
+from then, not from the spawn).
 Validation runs on a thread of llg.CHECK_STACK bytes.
 
 Invariant (kept by `Checker`): `pending` holds every submitted check without a verdict, in
@@ -44,6 +46,7 @@ log = logging.getLogger(__name__)
 
 CHECK_TIMEOUT = 10.0        # seconds one validation may take (measured: ~1-100 ms usually)
 CHECK_NICE = 10             # the child's OS nice value above its owner's
+READY = 0                   # the seq of the frame a child sends once it is ready (checks: 1..)
 _LEN = struct.Struct(">I")
 _ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -160,6 +163,10 @@ class Checker:
                 break
             seq, verdict = msgpack.unpackb(bytes(self._buf[4:4 + n]))
             del self._buf[:4 + n]
+            if seq == READY:                # a new child has imported what it needs: the
+                if self.pending:            # head's time starts now, not at the spawn
+                    self.pending[0].started = time.monotonic()
+                continue
             head = self.pending.popleft()
             assert head.seq == seq, "the checker answers in order"
             if self.pending:
@@ -250,6 +257,9 @@ def main() -> None:
             out.flush()
         os._exit(0)
 
+    data = msgpack.packb([READY, ""])
+    out.write(_LEN.pack(len(data)) + data)
+    out.flush()
     threading.stack_size(CHECK_STACK)
     threading.Thread(target=answer, name="check", daemon=True).start()
     inp = sys.stdin.buffer

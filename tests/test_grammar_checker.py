@@ -69,12 +69,12 @@ def test_checks_queued_behind_a_crash_get_their_own_verdicts():
 
 
 def test_a_check_that_runs_too_long_is_refused_and_the_next_one_runs():
-    c = Checker(timeout=0.3)
+    c = Checker(timeout=1.0)
     try:
-        slow = c.submit("ebnf", gbnf_chain(5000))          # seconds to validate
-        fast = c.submit("regex", "a+")
+        slow = c.submit("ebnf", gbnf_chain(5000))          # 4-5 s to validate, here
+        fast = c.submit("regex", "a+")                     # ms, once its new child is up
         got = drain(c, 2)
-        assert "took more than 0.3 s to check" in got[slow]
+        assert "took more than 1 s to check" in got[slow]
         assert got[fast] == ""
     finally:
         c.close()
