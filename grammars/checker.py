@@ -242,7 +242,10 @@ def main() -> None:
     os.nice(CHECK_NICE)                            # the model's steps come first
     from grammars.llg import CHECK_STACK, client_message, validate_here
     work: queue.Queue = queue.Queue()
-    out = sys.stdout.buffer
+    # Frames go out on a private copy of the pipe; fd 1 becomes stderr, so that nothing the
+    # library (or Python) prints can land inside a frame.
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
 
     def answer() -> None:
         while (item := work.get()) is not None:
