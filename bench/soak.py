@@ -170,7 +170,7 @@ class Workload:
             if hang_up_after == 0:
                 return frames
             async for line in r.aiter_lines():
-                if not line:
+                if not line or line.startswith(":"):      # an SSE comment: keep-alive
                     continue
                 expect(line.startswith("data: "), f"stream: bad line {line[:100]!r}")
                 if line == "data: [DONE]":
