@@ -490,7 +490,10 @@ async def _post_concurrent(api: Api, url: str, prompts, output_len: int):
 
 
 async def _post_sequential(api: Api, url: str, prompts, output_len: int):
-    async with httpx.AsyncClient(base_url=url, timeout=None) as client:
+    # A new connection per request, for both servers alike: llama-server may close the one a
+    # stream came on, and a request sent on it then gets "disconnected without a response".
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
         metas, wall = [], 0.0
         for p in prompts:
             t0 = time.perf_counter()
