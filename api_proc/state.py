@@ -148,7 +148,7 @@ class RequestState:
     @property
     def admitted_only(self) -> bool:
         """Nothing has come but the scheduler's admission (is_admission): no text to show."""
-        return self.last is not None and is_admission(self.last) and not self.output_ids
+        return self.last is not None and is_admission(self.last)   # always the first output
 
     @property
     def error(self) -> FinishReason | None:

@@ -299,9 +299,10 @@ def fill_bitmask(matchers: list[Matcher]):
 def steer(bitmask, matchers: list[Matcher], remaining: list[int]):
     """Rows of `bitmask` (fill_bitmask's) narrowed to the one token a request must take to
     end its grammar within its `remaining` tokens (Matcher.steer); the same array."""
+    bits = bitmask.view("uint32")           # the same words, bit 31 without a sign
     for j, (m, left) in enumerate(zip(matchers, remaining)):
         token = m.steer(left)
-        if token is not None and bitmask[j, token // 32] >> (token % 32) & 1:
-            bitmask[j] = 0
-            bitmask[j, token // 32] = 1 << (token % 32) if token % 32 != 31 else -(1 << 31)
+        if token is not None and bits[j, token // 32] >> (token % 32) & 1:
+            bits[j] = 0
+            bits[j, token // 32] = 1 << (token % 32)
     return bitmask

@@ -307,16 +307,15 @@ def _grammar_text(key: str, v: Any) -> str:
     return v
 
 
-def _json_depth(v: Any) -> int:
-    """Levels of nesting of a JSON value (a scalar: 0), without recursion."""
-    depth, level = 0, [(v, 1)]
-    while level:
-        node, d = level.pop()
-        children = node.values() if type(node) is dict else node if type(node) is list else ()
-        for child in children:
-            if type(child) in (dict, list):
-                level.append((child, d + 1))
-        depth = max(depth, d if type(node) in (dict, list) else 0)
+def _json_depth(v: dict | list) -> int:
+    """Levels of nesting of a JSON object or array (1: no object or array inside), without
+    recursion."""
+    depth, todo = 0, [(v, 1)]
+    while todo:
+        node, d = todo.pop()
+        depth = max(depth, d)
+        todo += [(c, d + 1) for c in (node.values() if type(node) is dict else node)
+                 if type(c) in (dict, list)]
     return depth
 
 
