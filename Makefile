@@ -37,7 +37,7 @@ serve: install
 # failing fails the target. GPU tests (marked cuda) are left to test-cuda.
 PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n auto --maxprocesses 4 \
 	--dist loadfile
-AVX512_IN_USE := import sys, torch; from scheduler_proc import kernels; \
+AVX512_IN_USE := import sys, torch; from models import kernels; \
 	sys.exit(not kernels.available("cpu", torch.float32))
 # The kernel unit test files on the AVX2 kernels (ZSERVE_CPU_ISA=avx2, wire/cpu.py); not
 # their end-to-end or minutes-long real-model (smollm2) tests, nor test_quant.py: quant.c

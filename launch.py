@@ -131,7 +131,7 @@ def default_model() -> str:
 
 
 def gguf_sidecar(path: str) -> str:
-    """The cached config + tokenizer directory of a GGUF file (scheduler_proc/models/gguf.py).
+    """The cached config + tokenizer directory of a GGUF file (models/gguf.py).
     Found in the cache without loading anything; else built in a subprocess, since building
     needs torch and transformers, which the API process does not load (~10 s: transformers
     converts the tokenizer)."""
@@ -141,7 +141,7 @@ def gguf_sidecar(path: str) -> str:
     log.info("first start with %s: writing its config and tokenizer files into %s "
              "(transformers converts the tokenizer: seconds; later starts reuse them)",
              path, cached)
-    code = ("import sys\nfrom scheduler_proc.models.gguf import materialize\n"
+    code = ("import sys\nfrom models.gguf import materialize\n"
             "print(materialize(sys.argv[1]))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])}

@@ -527,7 +527,7 @@ def chat_logprobs(lp: Logprobs) -> dict:
 
 
 class _LocalTokenizer:
-    """The API process's own tokenizer (tokenizer_proc.hf_tokenizer: no transformers, no
+    """The API process's own tokenizer (tokenization.hf_tokenizer: no transformers, no
     torch), loaded on first use and run on one thread, off the event loop. Used only for the
     text of token-id prompts that a completion with echo must prepend."""
 
@@ -538,7 +538,7 @@ class _LocalTokenizer:
 
     def _load(self):
         if self.tok is None:
-            from tokenizer_proc.hf_tokenizer import HFTokenizer
+            from tokenization.hf_tokenizer import HFTokenizer
             self.tok = HFTokenizer.from_dir(self.tokenizer_path)
         return self.tok
 

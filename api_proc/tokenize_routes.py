@@ -7,7 +7,7 @@ SGLang's shapes, with vLLM's chat form accepted too.
     /detokenize  {"tokens": [ids] | [[ids], ...], "skip_special_tokens": false}
               -> {"text": str | [str, ...], "prompt": the same (vLLM's name)}
 
-The tokenizer is the tokenizer workers' own (tokenizer_proc/process.py: the same files, the
+The tokenizer is the tokenizer workers' own (tokenization/prompts.py: the same files, the
 same chat template and the same length bound), loaded in this process on the first call (it
 is torch-free), and run off the event loop on one thread, one call at a time. A call's
 memory is its body and its answer: each prompt's ids are written out as JSON as soon as
@@ -55,8 +55,8 @@ class TokenizeHandler:
         """The tokenizer workers' Tokenizer, built on first use (in a worker thread)."""
         with self._lock:
             if self._tokenizer is None:
-                from tokenizer_proc.process import make_worker
-                self._tokenizer = make_worker(self.config).tokenizer
+                from tokenization.prompts import Tokenizer
+                self._tokenizer = Tokenizer.of(self.config)
             return self._tokenizer
 
     async def _body(self, request: Request) -> dict:
@@ -71,7 +71,7 @@ class TokenizeHandler:
     async def _answer(self, request: Request, work) -> Response:
         """Read and check the body, run work(body) off the event loop (it returns the JSON
         answer's bytes), answer them; the client's mistakes are 4xx with their message."""
-        from tokenizer_proc.process import RequestError
+        from tokenization.prompts import RequestError
         try:
             body = await self._body(request)
             content = await asyncio.get_running_loop().run_in_executor(

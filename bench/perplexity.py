@@ -160,7 +160,7 @@ def tokenize(url: str, text: str, tokenizer_path: str | None) -> tuple[list[int]
     if r.status_code == 200:
         ids, how = r.json()["tokens"], "/tokenize"
     elif "longer than the model's context length" in r.text and tokenizer_path:
-        from tokenizer_proc.hf_tokenizer import HFTokenizer
+        from tokenization.hf_tokenizer import HFTokenizer
         tok = HFTokenizer.from_dir(tokenizer_path)
         if tok.encode("", add_special_tokens=True) != special:
             raise RuntimeError(f"the tokenizer at {tokenizer_path} is not the server's")

@@ -112,7 +112,7 @@ TOKEN_LOW, TOKEN_HIGH = 10, 700     # valid for the tiny tokenizer (754 tokens) 
 def gguf_file(model_path: str) -> pathlib.Path | None:
     """The GGUF file model_path stands for (a .gguf, or a directory with exactly one), or
     None for an HF checkpoint directory."""
-    from scheduler_proc.models.gguf import find_gguf
+    from models.gguf import find_gguf
     return find_gguf(model_path)
 
 
@@ -120,7 +120,7 @@ def model_config(model_path: str) -> dict:
     """config.json's contents, or what it would say for a GGUF (from its metadata)."""
     gguf = gguf_file(model_path)
     if gguf is not None:
-        from scheduler_proc.models.gguf import config_dict, read_header
+        from models.gguf import config_dict, read_header
         return config_dict(read_header(gguf))
     return json.loads((pathlib.Path(model_path) / "config.json").read_text())
 
@@ -163,7 +163,7 @@ def matmul_params(model_path: str) -> dict:
     total = layers * per_layer + lm_head + (0 if tied else h * vocab) + norms
     on_disk = cfg.get("dtype") or cfg.get("torch_dtype")
     if (gguf := gguf_file(model_path)) is not None:     # e.g. "GGUF Q4_1 + F32"
-        from scheduler_proc.models.gguf import read_header
+        from models.gguf import read_header
         types = sorted({t.type_name for t in read_header(gguf).tensors.values()})
         on_disk = "GGUF " + " + ".join(types)
     return {"matmul": layers * per_layer + lm_head, "total": total, "layers": layers,
@@ -176,9 +176,9 @@ _FLOAT_TYPES = {"F32", "F16", "BF16"}
 
 def gguf_linear_types(gguf: pathlib.Path) -> list[tuple[set[str], bool]]:
     """Each linear layer's GGUF tensor types, and whether zserve keeps it in its blocks
-    (scheduler_proc/models/gguf.py: linear_types)."""
-    from scheduler_proc.models import ModelConfig
-    from scheduler_proc.models import gguf as zgguf
+    (models/gguf.py: linear_types)."""
+    from models import ModelConfig
+    from models import gguf as zgguf
     header = zgguf.read_header(gguf)
     config = ModelConfig.from_dict(zgguf.config_dict(header), zgguf.generation_dict(header))
     return list(zgguf.linear_types(header, config).values())

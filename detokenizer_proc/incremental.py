@@ -59,7 +59,7 @@ class DecodeStream:
     - Any push after the stream finished raises RuntimeError.
 
     `spaces_between_special_tokens` is passed to `tokenizer.decode`; HFTokenizer
-    (tokenizer_proc.hf_tokenizer) ignores it as Hugging Face fast tokenizers do (their Rust
+    (tokenization.hf_tokenizer) ignores it as Hugging Face fast tokenizers do (their Rust
     decoder decides the spacing), and as SGLang's do.
 
     Known limit (shared with vLLM and SGLang): emitted text is never retracted. With a

@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 import zmq
 
 from detokenizer_proc.incremental import DecodeStream
-from tokenizer_proc.hf_tokenizer import HFTokenizer
+from tokenization.hf_tokenizer import HFTokenizer
 from wire.addresses import Addresses
 from wire.codec import DETOKENIZER_INBOX
 from wire.messages import (DecodeParams, FinishReason, Logprobs, ReleaseRequest, TextBatch,

@@ -23,26 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from scheduler_proc import kernels
+from models import kernels
+from models.ops import _decode_function, decode_kernel_fits
 from scheduler_proc.pool import KVCache
-
-KERNEL_MAX_HEADS, KERNEL_HEAD_DIMS = 64, (32, 64, 128, 256)     # as in attention.c
-
-
-@functools.cache
-def _decode_function(device_type: str, dtype: torch.dtype):
-    """attention.c's decode attention for this device and dtype, taking its arguments
-    without the dtype flag (its AVX-512 kernel, else its AVX2 one), or None."""
-    return kernels.function("zs_decode_attention", device_type, dtype)
-
-
-def decode_kernel_fits(device: torch.device, dtype: torch.dtype, num_heads: int,
-                       num_kv_heads: int, head_dim: int) -> bool:
-    """Can decode rows of this model run on kernels/attention.c?"""
-    return (_decode_function(torch.device(device).type, dtype) is not None
-            and head_dim in KERNEL_HEAD_DIMS and num_heads % num_kv_heads == 0
-            and num_heads <= KERNEL_MAX_HEADS)
-
 
 @dataclass(slots=True)
 class PrefillSegment:

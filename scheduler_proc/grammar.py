@@ -225,7 +225,7 @@ class GrammarCompiler:
             if self._tokenizer is None:
                 import llguidance
 
-                from tokenizer_proc.hf_tokenizer import HFTokenizer
+                from tokenization.hf_tokenizer import HFTokenizer
                 hf = HFTokenizer.from_dir(self.tokenizer_path)
                 # The mask covers the model's vocabulary; tokens past the tokenizer's are
                 # never allowed, tokens past the model's are cut off (fill_bitmask).

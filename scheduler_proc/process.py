@@ -98,7 +98,7 @@ def main(config: ServerConfig, addrs: Addresses, replica: int, rank: int,
         # These import torch: after run_child has set the process title.
         import torch
 
-        from scheduler_proc.tp import SoloGroup, init_dist_group
+        from models.distributed import SoloGroup, init_dist_group
         if "OMP_NUM_THREADS" not in os.environ and args.dp_size * args.tp_size > 1:
             torch.set_num_threads(threads_per_rank(args))   # one process: torch's default
         group = SoloGroup() if args.tp_size == 1 else \

@@ -12,7 +12,7 @@ token ids, positions, slots, the attention layout, which rows get logits), and
 `execute(plan, table)` runs it: StepAttention.build, the model, one compute_logits per
 input-logprob range, then one for the sampled rows, always in that order.
 
-Tensor parallelism (`tp`, scheduler_proc/tp.py, size T > 1): every rank holds a shard of the
+Tensor parallelism (`tp`, models/distributed.py, size T > 1): every rank holds a shard of the
 model (models/tp.py) and a KV cache of its own kv heads, and every rank runs `execute` on
 the same plan, so all ranks make the same collectives with the same shapes in the same
 order. Only rank 0 runs the Scheduler and KVManager; its `forward` broadcasts each plan
@@ -54,12 +54,13 @@ from typing import Callable
 import psutil
 import torch
 
-from scheduler_proc.attention import StepAttention, decode_kernel_fits
-from scheduler_proc.models import ModelConfig, load_model
+from models.ops import decode_kernel_fits
+from scheduler_proc.attention import StepAttention
+from models import ModelConfig, load_model
 from scheduler_proc.pool import KVCache, ReqToToken
 from scheduler_proc.request import Req
 from scheduler_proc.sampler import constrain, sample_tokens, token_logprobs
-from scheduler_proc.tp import SOLO, TPFault, rank_device
+from models.distributed import SOLO, TPFault, rank_device
 from wire.codec import encode
 from wire.messages import StepPlan, TableWrite, TPInit
 from wire.server_args import ServerArgs, ServerConfig

@@ -29,7 +29,7 @@ import logging
 
 from scheduler_proc.pool import ReqToToken
 from scheduler_proc.runner import ModelRunner
-from scheduler_proc.tp import TPFault
+from models.distributed import TPFault
 from wire.codec import TP_FOLLOWER, DecodeError, decode
 from wire.messages import StepPlan, TPInit
 from wire.server_args import ServerConfig

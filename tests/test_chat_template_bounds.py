@@ -1,4 +1,4 @@
-"""A chat template's render is bounded (tokenizer_proc/hf_tokenizer.py, "chat templates:
+"""A chat template's render is bounded (tokenization/hf_tokenizer.py, "chat templates:
 bounded"): in time (RENDER_SECONDS) and in the size of what it builds (RENDER_CHARS). A
 heavy template used to hold the only tokenizer worker for minutes; now it fails at once,
 or at the time bound, with TemplateLimitError, and the server answers 400 and goes on."""
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tokenizer_proc.hf_tokenizer import (RENDER_CHARS, RENDER_SECONDS, HFTokenizer,
+from tokenization.hf_tokenizer import (RENDER_CHARS, RENDER_SECONDS, HFTokenizer,
                                          TemplateLimitError)
 
 MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},

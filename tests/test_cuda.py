@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from model_helpers import DenseCausalAttention
-from scheduler_proc.models import load_model
+from models import load_model
 from test_gguf import IDS, assert_float32_close, float32_bound
 from tests.reference import _greedy, assert_greedy_match, first_near_tie
 from tests.server import serving

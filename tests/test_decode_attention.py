@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduler_proc.attention import StepAttention, decode_kernel_fits
+from models.ops import decode_kernel_fits
+from scheduler_proc.attention import StepAttention
 from scheduler_proc.pool import KVCache
 
 

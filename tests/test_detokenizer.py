@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from detokenizer_proc.incremental import DecodeStream, Delta
 from detokenizer_proc.process import Detokenizer
-from tokenizer_proc.hf_tokenizer import HFTokenizer
+from tokenization.hf_tokenizer import HFTokenizer
 from wire.messages import (DecodeParams, FinishReason, Logprobs, SchedulerLoad, TokenBatch,
                            TokenOutput)
 

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from scheduler_proc import kernels
+from models import kernels
 from tests.conftest import FAMILIES
 from tests.reference import assert_greedy_match, greedy_reference
 from tests.server import serving, wait_idle

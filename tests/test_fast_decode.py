@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from checkpoints.tiny import build_tiny_checkpoint
-from scheduler_proc import kernels
+from models import kernels
 from scheduler_proc.attention import StepAttention
-from scheduler_proc.models import load_model
-from scheduler_proc.models.cpu_linear import CpuLinear
-from scheduler_proc.models.quant_linear import QuantLinear
+from models import load_model
+from models.cpu_linear import CpuLinear
+from models.quant_linear import QuantLinear
 from scheduler_proc.pool import KVCache
 from test_gguf import write_gguf
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from checkpoints.tiny import default_cache_root
-from scheduler_proc import kernels
-from scheduler_proc.models import loader
+from models import kernels
+from models import loader
 from test_gguf import write_gguf
 from tests.server import Server
 

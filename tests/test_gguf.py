@@ -1,4 +1,4 @@
-"""GGUF checkpoints (scheduler_proc/models/gguf.py) against their safetensors twins and
+"""GGUF checkpoints (models/gguf.py) against their safetensors twins and
 against transformers loading the same GGUF file.
 
 The tiny GGUFs are written here with the gguf library's GGUFWriter from checkpoints/tiny.py's
@@ -29,8 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from checkpoints.tiny import build_tiny_checkpoint
 from model_helpers import DenseCausalAttention
 from reference import _greedy, assert_greedy_match
-from scheduler_proc.models import ModelConfig, load_model
-from scheduler_proc.models import gguf as zgguf
+from models import ModelConfig, load_model
+from models import gguf as zgguf
 
 F32, Q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
 ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,

@@ -1,5 +1,5 @@
 """A GGUF header cannot make the reader allocate or walk more than the file holds
-(scheduler_proc/models/gguf.py: read_header). Every count and length in it is checked
+(models/gguf.py: read_header). Every count and length in it is checked
 against the bytes left in the file first; a forged one is a ValueError naming the file and
 the bad value, and the launcher exits non-zero with that one line."""
 
@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 import pytest
 
-from scheduler_proc.models import gguf as zgguf
+from models import gguf as zgguf
 
 REPO = Path(__file__).resolve().parent.parent
 HUGE = 2 ** 62

@@ -27,8 +27,9 @@ from scheduler_proc.sampler import (apply_token_bitmask, bitmask_bias, constrain
                                     sample_tokens, token_logprobs, unpack_bias)
 from test_scheduler_unit import (assert_pool_idle, finishes, ids_of, make, request,
                                  run_until_idle, token_after)
-from tokenizer_proc.hf_tokenizer import HFTokenizer
-from tokenizer_proc.process import SCHEDULER, Tokenizer, Worker
+from tokenization.hf_tokenizer import HFTokenizer
+from tokenization.prompts import Tokenizer
+from tokenizer_proc.process import SCHEDULER, Worker
 from wire.codec import decode
 from wire.messages import (AbortRequest, FlushCacheRequest, GenerateRequest, ReleaseRequest,
                            TextBatch, TokenizedRequest)

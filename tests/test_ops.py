@@ -1,4 +1,4 @@
-"""The decoder's elementwise ops (scheduler_proc/models/ops.py): our C kernels against the
+"""The decoder's elementwise ops (models/ops.py): our C kernels against the
 torch code they replace, which is transformers' arithmetic. They must round at the same
 places: bfloat16 results may differ only where a float32 sum rounds to the other side of
 a bfloat16 tie (one ulp, rarely), float32 results only in summation order."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduler_proc.models import ops
+from models import ops
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -52,7 +52,7 @@ def test_avx2_norm_is_torchs_bit_for_bit(monkeypatch, dtype, dim):
     """Without AVX-512, RMSNorm runs on a kernel that sums the squares in torch's own order
     (elementwise.c) and rounds where torch rounds, so it equals transformers' norm exactly,
     residual or not, in float32 and in bfloat16."""
-    from scheduler_proc import kernels
+    from models import kernels
     if kernels.available("cpu", dtype):
         pytest.skip("the AVX-512 kernel runs here (equal to summation order only)")
     torch.manual_seed(dim)

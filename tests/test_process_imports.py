@@ -1,11 +1,13 @@
-"""Imports follow the process graph: only the scheduler loads torch.
+"""Imports follow the process graph: no process package imports another's, the model
+package imports none of them, and only the scheduler loads torch.
 
-The tokenizer, detokenizer and API processes tokenize with tokenizer_proc.hf_tokenizer, not
+The tokenizer, detokenizer and API processes tokenize with tokenization.hf_tokenizer, not
 transformers (whose import pulls in torch: seconds of CPU and hundreds of MB per process).
 """
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tokenizer_proc.hf_tokenizer import HFTokenizer
+from tokenization.hf_tokenizer import HFTokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -58,3 +60,26 @@ def test_only_the_scheduler_maps_libtorch(tiny_model, llama_server):
                                                          "scheduler")}}
     assert {name: libtorch_mapped(p) for name, p in procs.items()} == {
         "api": False, "tokenizer": False, "detokenizer": False, "scheduler": True}
+
+
+def _imports(path: Path):
+    """(line, top-level package) of every absolute import in a module."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name.split(".")[0]) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.lineno, node.module.split(".")[0]
+
+
+def test_no_process_package_imports_another():
+    """A *_proc package is one process's code; the shared packages (wire, tokenization,
+    grammars, models, checkpoints) import no *_proc package at all."""
+    packages = {p.name for p in REPO.iterdir() if (p / "__init__.py").is_file()}
+    procs = {p for p in packages if p.endswith("_proc")}
+    assert {"api_proc", "tokenizer_proc", "scheduler_proc", "detokenizer_proc"} <= procs
+    assert "models" in packages and "tokenization" in packages
+    crossings = [f"{f.relative_to(REPO)}:{line} imports {top}"
+                 for package in sorted(packages) for f in sorted((REPO / package).rglob("*.py"))
+                 for line, top in _imports(f)
+                 if top in procs and top != package]
+    assert crossings == []

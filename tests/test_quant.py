@@ -31,9 +31,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from launch import resolve_quantization
-from scheduler_proc import kernels
-from scheduler_proc.models import load_model
-from scheduler_proc.models.quant_linear import QuantLinear, dequantize, quantize_q8_0
+from models import kernels
+from models import load_model
+from models.quant_linear import QuantLinear, dequantize, quantize_q8_0
 from test_gguf import our_greedy_with_margins, our_logits, smollm2_path, write_gguf
 from tests.reference import assert_greedy_through_ties
 from tests.server import serving
@@ -278,7 +278,7 @@ def smollm2():
         pytest.skip("no quantized kernels here")
     from transformers import AutoTokenizer
 
-    from scheduler_proc.models import gguf as zgguf
+    from models import gguf as zgguf
     tok = AutoTokenizer.from_pretrained(str(zgguf.materialize(path)))
     ids = torch.tensor(tok(TEXT.read_text()[:3000])["input_ids"][:320])
     return path, ids, load_model(path, torch.float32, "cpu", quantization="none", pack=False)

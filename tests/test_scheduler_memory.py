@@ -36,7 +36,7 @@ import psutil
 import torch
 torch.set_num_threads(1)    # two threads on a busy machine: 10x slower, same kernels cached
 from scheduler_proc.kv_manager import KVManager
-from scheduler_proc.models.packed import PackedLinear
+from models.packed import PackedLinear
 from scheduler_proc.runner import ModelRunner
 from scheduler_proc.scheduler import Scheduler
 from wire.messages import TokenizedRequest

@@ -19,7 +19,7 @@ import pytest
 from starlette.applications import Starlette
 
 from api_proc.tokenize_routes import TokenizeHandler
-from tokenizer_proc.process import Tokenizer
+from tokenization.prompts import Tokenizer
 
 CONTEXT = 1 << 16
 

@@ -1,5 +1,6 @@
-"""Unit tests for tokenizer_proc.process: the prompt-length bound, the validation of every
-GenerateRequest the tokenizer receives, and the per-message error handling (no sockets)."""
+"""Unit tests for tokenization/prompts.py and tokenizer_proc/process.py: the prompt-length
+bound, the validation of every GenerateRequest the tokenizer receives, and the per-message
+error handling (no sockets)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from checkpoints.tiny import CORPUS
-from tokenizer_proc.hf_tokenizer import HFTokenizer
-from tokenizer_proc.process import SCHEDULER, Tokenizer, Worker, chars_per_token_bound
+from tokenization.hf_tokenizer import HFTokenizer
+from tokenization.prompts import Tokenizer, chars_per_token_bound
+from tokenizer_proc.process import SCHEDULER, Worker
 from wire.codec import decode
 from wire.messages import (AbortRequest, ChatMessage, FlushCacheRequest, GenerateRequest,
                            LogprobRequest, ReleaseRequest, TextBatch, TokenizedRequest)

@@ -34,7 +34,7 @@ from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.pool import ReqToToken
 from scheduler_proc.runner import ModelRunner, leaves_device_unknown
 from scheduler_proc.scheduler import Scheduler
-from scheduler_proc.tp import HEAD_BYTES, LENGTH_BYTES, SOLO, TPFault, ThreadGroup
+from models.distributed import HEAD_BYTES, LENGTH_BYTES, SOLO, TPFault, ThreadGroup
 from wire.codec import TP_FOLLOWER, DecodeError, decode, encode
 from wire.messages import (AbortRequest, LogprobRequest, StepPlan, TableWrite, TokenBatch,
                            TokenizedRequest, TPInit)
@@ -325,8 +325,8 @@ import json, sys
 import torch
 sys.path.insert(0, "tests")
 from model_helpers import DenseCausalAttention
-from scheduler_proc.models import load_model
-from scheduler_proc.tp import init_dist_group
+from models import load_model
+from models.distributed import init_dist_group
 
 rank, store, model_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 g = init_dist_group("cpu", f"file://{store}", rank, 2)

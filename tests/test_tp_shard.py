@@ -1,5 +1,5 @@
 """Tensor-parallel sharding (models/tp.py, the llama.py hooks, the loaders), in one process:
-T ranks are T threads of a ThreadGroup (scheduler_proc/tp.py), so each test is the real
+T ranks are T threads of a ThreadGroup (models/distributed.py), so each test is the real
 sharded model against the unsharded one, with nothing launched.
 
 - logits: tiny llama, qwen2 (tied embeddings, qkv bias) and qwen3 (q/k norm, head_dim 32)
@@ -27,11 +27,12 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from model_helpers import DenseCausalAttention
-from scheduler_proc.attention import StepAttention, decode_kernel_fits
-from scheduler_proc.models import load_model
-from scheduler_proc.models.tp import Shard, kv_ids, part
+from models.ops import decode_kernel_fits
+from scheduler_proc.attention import StepAttention
+from models import load_model
+from models.tp import Shard, kv_ids, part
 from scheduler_proc.pool import KVCache, ReqToToken
-from scheduler_proc.tp import ThreadGroup
+from models.distributed import ThreadGroup
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 SIZES = (2, 3, 4)

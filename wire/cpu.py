@@ -1,6 +1,6 @@
 """What this machine's CPU can run, read from /proc/cpuinfo without importing torch, and
 which of zserve's kernels may run on it: the launcher resolves `--quantization auto` with
-it before any model process starts, and scheduler_proc/kernels picks its kernels by it.
+it before any model process starts, and models/kernels picks its kernels by it.
 
 Two environment variables decide, for every process alike:
 

@@ -237,7 +237,7 @@ class ControlReply(WireStruct, tag=8):
 
 # ---- tp rank 0 -> tp followers ---------------------------------------------------------------
 # Not a ZeroMQ socket: rank 0 broadcasts these frames to the other tensor-parallel ranks of
-# its replica through torch.distributed (scheduler_proc/tp.py broadcast_bytes). Only rank 0
+# its replica through torch.distributed (models/distributed.py broadcast_bytes). Only rank 0
 # runs the scheduler; a follower needs only what its forward reads (scheduler_proc/runner.py).
 
 class TableWrite(WireStruct):

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-# Hugging Face architecture names zserve implements (scheduler_proc/models/config.py maps
+# Hugging Face architecture names zserve implements (models/config.py maps
 # each to its family).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM")
@@ -119,7 +119,7 @@ def gguf_file_key(path: Path) -> str:
 
 def gguf_sidecar_dir(gguf: Path, cache_root: Path | None = None) -> Path:
     """Where the sidecar (config + tokenizer files) of GGUF file `gguf` lives once built by
-    scheduler_proc/models/gguf.py's materialize; complete iff it holds SIDECAR_FILE."""
+    models/gguf.py's materialize; complete iff it holds SIDECAR_FILE."""
     gguf = gguf.resolve()
     root = (cache_root if cache_root is not None else zserve_cache() / "gguf")
     return root.expanduser().absolute() / f"{gguf.stem}-{gguf_file_key(gguf)}"
@@ -140,7 +140,7 @@ class ModelFacts:
 
 
 def model_facts(path: str) -> ModelFacts:
-    """From config.json (the same defaults as scheduler_proc/models/config.py). Raises
+    """From config.json (the same defaults as models/config.py). Raises
     StartupError when the config lacks what a Llama-family model must say."""
     config = json.loads((Path(path) / "config.json").read_text())
     arch = next((a for a in config.get("architectures") or [] if a in SUPPORTED_ARCHITECTURES),

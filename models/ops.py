@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from scheduler_proc import kernels
+from models import kernels
 
 
 class Kernels(NamedTuple):
@@ -115,3 +115,23 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     y = torch.empty((m, i), dtype=gu.dtype)
     lib.silu_mul(gu.data_ptr(), m, i, y.data_ptr())
     return y
+
+
+# Decode attention over the paged KV pool (kernels/attention.c), for scheduler_proc/attention.py
+# and fast_decode.py: the shapes it takes.
+KERNEL_MAX_HEADS, KERNEL_HEAD_DIMS = 64, (32, 64, 128, 256)     # as in attention.c
+
+
+@functools.cache
+def _decode_function(device_type: str, dtype: torch.dtype):
+    """attention.c's decode attention for this device and dtype, taking its arguments
+    without the dtype flag (its AVX-512 kernel, else its AVX2 one), or None."""
+    return kernels.function("zs_decode_attention", device_type, dtype)
+
+
+def decode_kernel_fits(device: torch.device, dtype: torch.dtype, num_heads: int,
+                       num_kv_heads: int, head_dim: int) -> bool:
+    """Can decode rows of this model run on kernels/attention.c?"""
+    return (_decode_function(torch.device(device).type, dtype) is not None
+            and head_dim in KERNEL_HEAD_DIMS and num_heads % num_kv_heads == 0
+            and num_heads <= KERNEL_MAX_HEADS)

@@ -21,7 +21,7 @@ import ctypes
 
 import torch
 
-from scheduler_proc import kernels
+from models import kernels
 
 from .cpu_linear import CpuLinear
 from .quant_linear import QuantLinear
@@ -72,7 +72,7 @@ class FastDecode:
     @classmethod
     def of(cls, model) -> "FastDecode | None":
         """For a loaded CausalLM; None where the fast path does not apply (module doc)."""
-        from scheduler_proc.attention import decode_kernel_fits
+        from .ops import decode_kernel_fits
         from .ops import _kernels_for
 
         c = model.config

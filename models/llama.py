@@ -12,7 +12,7 @@ token, so the batch layout never matters to this file.
 The families differ only in config flags (see ModelConfig): qkv/o/mlp biases, Qwen3's
 per-head q/k RMSNorm, tied embeddings and the RoPE frequencies. q/k/v and gate/up are fused
 into one matmul each; the loader fills the fused weights from the checkpoint's parts.
-Tensor parallelism (`tp`, a group of scheduler_proc/tp.py with size > 1): the module is built
+Tensor parallelism (`tp`, a group of models/distributed.py with size > 1): the module is built
 with this rank's share of the heads, MLP columns and vocabulary (models/tp.py: Shard), and
 three hooks join the ranks: the embedding and the two row-parallel projections (o_proj,
 down_proj) all-reduce, and compute_logits gathers the vocabulary to rank 0. Each hook sits
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from scheduler_proc.tp import SOLO
+from models.distributed import SOLO
 
 from .config import ModelConfig
 from .ops import Rotary, rms_norm, rope_, silu_and_mul

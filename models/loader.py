@@ -36,8 +36,8 @@ from torch import nn
 
 from .config import ModelConfig
 from .llama import ROW_BIASES, CausalLM
-from scheduler_proc import kernels
-from scheduler_proc.tp import SOLO
+from models import kernels
+from models.distributed import SOLO
 from .cpu_linear import CpuLinear
 from .fast_decode import FastDecode
 from .packed import PackedLinear, can_pack
@@ -64,7 +64,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.d
     holding exactly one .gguf (and no config.json), or a GGUF sidecar directory.
     pack: lay the linear weights out for a CPU kernel (cpu_linear.py, else oneDNN's:
     packed.py); None: wherever one is available; False: keep plain nn.Linear.
-    tp: the tensor-parallel group (scheduler_proc/tp.py): load only this rank's share.
+    tp: the tensor-parallel group (models/distributed.py): load only this rank's share.
     quantization: one of QUANTIZATIONS (module docstring)."""
     from . import gguf
 

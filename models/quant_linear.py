@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from scheduler_proc import kernels
+from models import kernels
 
 # ggml type name -> (gguf.GGMLQuantizationType value, bytes per block of 32 weights)
 BLOCK_TYPES = {"Q8_0": (8, 34), "Q4_0": (2, 18), "Q4_1": (3, 20)}

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scheduler_proc import kernels
+from models import kernels
 
 PANEL = 16                                   # output rows per panel
 

@@ -1,4 +1,8 @@
-"""Model definitions for the scheduler: Llama-family decoders in plain torch.
+"""The model stack, used by the scheduler and its tensor-parallel ranks: Llama-family
+decoders in plain torch (llama.py), their configs (config.py), weights from safetensors and
+GGUF (loader.py, gguf.py), quantized layouts (quant_linear.py, packed.py, cpu_linear.py),
+the C kernels and the rule that picks them (kernels/), and the collectives a sharded model
+calls (distributed.py, tp.py). It imports nothing from any *_proc package.
 
     config = ModelConfig.from_path(path)           # parsed, checked config.json (or GGUF metadata)
     model = load_model(path, torch.bfloat16, "cuda")
