@@ -16,6 +16,6 @@ other processes can read a GGUF model as an HF directory); see gguf.py.
 """
 
 from .config import ModelConfig
-from .loader import load_model
+from .loader import describe_weights, load_model
 
-__all__ = ["ModelConfig", "load_model"]
+__all__ = ["ModelConfig", "describe_weights", "load_model"]

@@ -52,8 +52,7 @@ def _linear(module, dtype: torch.dtype) -> _Linear | None:
         bias = module.bias
         if dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
             return None
-        return _Linear(module._type_id, module.blocks.data_ptr(),
-                       None if bias is None else bias.data_ptr())
+        return _Linear(1, module.c_blocks(), None if bias is None else bias.data_ptr())
     if isinstance(module, CpuLinear) and module.dtype == dtype:
         return _Linear(-1 if module.avx512 else 0, module.weight.data_ptr(),
                        None if module.bias is None else module.bias.data_ptr())
@@ -76,8 +75,8 @@ class FastDecode:
         from .ops import _kernels_for
 
         c = model.config
-        dtype = model.embed_tokens.weight.dtype
-        device = model.embed_tokens.weight.device
+        dtype = model.norm.weight.dtype          # the model's (the embedding may be blocks)
+        device = model.norm.weight.device
         if (model.tp is not None or dtype not in (torch.float32, torch.bfloat16)
                 or device.type != "cpu"
                 or c.qk_norm or c.hidden_size < 8 or _kernels_for("cpu", dtype) is None

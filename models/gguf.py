@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from .llama import ROW_BIASES
-from .quant_linear import BLOCK_TYPES
+from .quant_linear import KEPT_TYPES
 from wire.model_path import SIDECAR_FILE, SIDECAR_VERSION, gguf_file_key, gguf_sidecar_dir
 
 # general.architecture -> the HF architecture we build. Mistral GGUFs say "llama".
@@ -490,35 +490,39 @@ def _linear_parts(config) -> dict[str, list[str]]:
 
 def linear_types(header: GGUFHeader, config) -> dict[str, tuple[set[str], bool]]:
     """Our linear module -> (its GGUF parts' tensor types, whether --quantization gguf
-    keeps it in its blocks: all parts there and of one type QuantLinear runs on)."""
+    keeps it in its blocks: all parts there and each of a type the loader keeps
+    (quant_linear.py: KEPT_TYPES); the parts may differ in type, as Q4_K_M's q/k (Q4_K) and
+    v (Q6_K) do)."""
     out = {}
     for module, keys in _linear_parts(config).items():
         infos = [header.tensors.get(key) for key in keys]
         types = {info.type_name for info in infos if info is not None}
-        kept = None not in infos and len(types) == 1 and types <= BLOCK_TYPES.keys()
+        kept = None not in infos and types <= set(KEPT_TYPES)
         out[module] = types, kept
     return out
 
 
-def native_linears(header: GGUFHeader, config) -> dict[str, tuple[str, np.ndarray, list[str]]]:
-    """For --quantization gguf (one rank): our linear module -> (its ggml type, its weight as
-    the file's own blocks, uint8 [out_features, bytes per row], the GGUF tensors read), for
-    each linear layer linear_types keeps; the others are dequantized as usual. Fused parts
-    are stacked in the parameter's row order and llama's q/k rows un-permuted. A tied LM
-    head takes token_embd's blocks (the embedding itself is still dequantized for its
-    lookups)."""
+def native_linears(header: GGUFHeader, config) -> dict[str, tuple[list[str], list[np.ndarray],
+                                                                  list[str]]]:
+    """For --quantization gguf (one rank): our linear module -> (its parts' ggml types, their
+    weights as the file's own blocks, each uint8 [rows, bytes per row], the GGUF tensors
+    read), in the parameter's row order, for each linear layer linear_types keeps; the
+    others are dequantized as usual. llama's q/k rows are un-permuted. A tied LM head takes
+    token_embd's blocks (the embedding itself is still dequantized for its lookups)."""
     unpermute = _permuted_heads(config)
     parts = _linear_parts(config)
     found = {}
     for module, (types, kept) in linear_types(header, config).items():
         if not kept:
             continue
-        blocks = []
+        qtypes, blocks = [], []
         for key in parts[module]:
-            raw = header.raw(header.tensors[key])
+            info = header.tensors[key]
+            raw = header.raw(info)
             blocks.append(_unpermute_rows(raw, unpermute[key], config.head_dim)
                           if key in unpermute else raw)
-        found[module] = (next(iter(types)), np.concatenate(blocks), parts[module])
+            qtypes.append(info.type_name)
+        found[module] = (qtypes, blocks, parts[module])
     return found
 
 

@@ -15,8 +15,9 @@ whole and then cut. The full tensor's shape is still checked against the whole m
 The vocabulary block's padding rows (last rank) are zero.
 
 Quantization (--quantization; one rank, CPU with kernels.avx2_available): "gguf" keeps a
-GGUF file's Q8_0 / Q4_0 / Q4_1 linear layers in their blocks (QuantLinear, quant_linear.py;
-they are never dequantized, their parameters never allocated); "int8" quantizes a float
+GGUF file's linear layers in their blocks wherever every part is of a type it keeps
+(quant_linear.py: KEPT_TYPES, Q4_K, Q5_K and Q6_K among them; the parts of a fused layer
+may differ in type; they are never dequantized, their parameters never allocated); "int8" quantizes a float
 checkpoint's linear layers to Q8_0 blocks once loaded; "none" dequantizes (or keeps) floats.
 Embeddings, norms and any linear layer of another type stay in the dtype.
 """
@@ -29,6 +30,7 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -41,8 +43,8 @@ from models.distributed import SOLO
 from .cpu_linear import CpuLinear
 from .fast_decode import FastDecode
 from .packed import PackedLinear, can_pack
-from .quant_linear import BLOCK_TYPES, QuantLinear, quantize_q8_0
-from wire.server_args import QUANTIZATIONS, quantization_refusal
+from .quant_linear import KEPT_TYPES, QuantEmbedding, QuantLinear, quantize_q8_0
+from wire.server_args import INT8_ROWS, QUANTIZATIONS, quantization_refusal
 from .tp import VOCAB_PARTS, Selection, Shard
 
 log = logging.getLogger(__name__)
@@ -59,13 +61,15 @@ Target = tuple[str, slice, Selection | None]
 
 
 def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.device,
-               pack: bool | None = None, tp=SOLO, quantization: str = "none") -> CausalLM:
+               pack: bool | None = None, tp=SOLO, quantization: str = "none",
+               int8_rows: int = INT8_ROWS) -> CausalLM:
     """model_path: an HF directory (config.json + *.safetensors), a .gguf file, a directory
     holding exactly one .gguf (and no config.json), or a GGUF sidecar directory.
     pack: lay the linear weights out for a CPU kernel (cpu_linear.py, else oneDNN's:
     packed.py); None: wherever one is available; False: keep plain nn.Linear.
     tp: the tensor-parallel group (models/distributed.py): load only this rank's share.
-    quantization: one of QUANTIZATIONS (module docstring)."""
+    quantization: one of QUANTIZATIONS (module docstring). int8_rows: where Q8_0 / Q4_0 /
+    Q4_1 layers round activations to int8 (--int8-activation-rows; quant_linear.py)."""
     from . import gguf
 
     gguf_path = gguf.find_gguf(model_path)
@@ -79,7 +83,8 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.d
         config = ModelConfig.from_dir(model_path)
     with torch.device("meta"), _skip_init():
         model = CausalLM(config, tp)
-    native = _keep_gguf_blocks(model, header) if quantization == "gguf" else frozenset()
+    native = (_keep_gguf_blocks(model, header, dtype, int8_rows) if quantization == "gguf"
+              else frozenset())
     params = {name: torch.empty(p.shape, dtype=dtype, device=device)
               for name, p in model.named_parameters()}
     rope_freqs = None
@@ -99,7 +104,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.d
     if pack and layer is None:
         raise ValueError(f"no packed CPU linear layer for {dtype} on {device}")
     if quantization == "int8":
-        layer = functools.partial(_quantize_int8, fallback=layer)
+        layer = functools.partial(_quantize_int8, fallback=layer, int8_rows=int8_rows)
     if layer is not None:
         if model.lm_head is None:           # tied: the head gets its own (packed) copy
             rows, hidden = model.embed_tokens.weight.shape     # this rank's vocabulary block
@@ -108,6 +113,33 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.d
         _replace_linears(model, layer)
     model.fast = FastDecode.of(model)
     return model
+
+
+def describe_weights(model: nn.Module) -> dict:
+    """What /server_info says of the loaded weights: each linear layer's form (its block
+    types, e.g. "Q4_K+Q6_K" for a fused layer kept in two, or the dtype it was dequantized
+    or loaded in) with how many layers have it, the embedding's, and the bytes the model's
+    parameters and buffers hold (a table shared by the embedding and a tied head once)."""
+    forms: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            form = module.qtype
+        elif isinstance(module, (nn.Linear, CpuLinear, PackedLinear)):
+            form = str(module.weight.dtype).removeprefix("torch.")
+        else:
+            continue
+        forms[form] = forms.get(form, 0) + 1
+    held = {}
+    for t in (*model.parameters(), *model.buffers()):
+        try:                            # a tied head shares the embedding: counted once
+            held[t.data_ptr()] = t.numel() * t.element_size()
+        except RuntimeError:            # a layout with no plain storage (oneDNN's)
+            held[id(t)] = t.numel() * t.element_size()
+    embed = model.embed_tokens
+    return {"linear_layers": dict(sorted(forms.items())),
+            "embedding": (embed.qtype if isinstance(embed, QuantEmbedding)
+                          else str(embed.weight.dtype).removeprefix("torch.")),
+            "bytes": sum(held.values())}
 
 
 def _check_quantization(quantization: str, is_gguf: bool, device: torch.device, tp) -> None:
@@ -122,29 +154,46 @@ def _check_quantization(quantization: str, is_gguf: bool, device: torch.device, 
         raise ValueError(problem)
 
 
-def _keep_gguf_blocks(model: CausalLM, header) -> frozenset[str]:
+def _keep_gguf_blocks(model: CausalLM, header, dtype: torch.dtype,
+                      int8_rows: int) -> frozenset[str]:
     """Swap every linear layer that the file stores in a native block type for a QuantLinear
     holding those blocks (on the model still on `meta`: its parameters are not allocated);
-    returns the GGUF tensors so consumed."""
+    returns the GGUF tensors so consumed. The embedding, in a block type, becomes a
+    QuantEmbedding: on the tied LM head's blocks, or on its own."""
     from . import gguf
 
     used, kept = set(), {}
-    for name, (qtype, blocks, keys) in gguf.native_linears(header, model.config).items():
+    for name, (qtypes, blocks, keys) in gguf.native_linears(header, model.config).items():
         old = None if name == "lm_head" and model.lm_head is None else model.get_submodule(name)
         out_features = old.out_features if old is not None else model.config.vocab_size
         in_features = old.in_features if old is not None else model.config.hidden_size
         widths = {header.tensors[key].shape[-1] for key in keys}
-        if blocks.shape[0] != out_features or widths != {in_features}:
+        if sum(b.shape[0] for b in blocks) != out_features or widths != {in_features}:
             raise ValueError(f"{header.path.name}: {', '.join(keys)} have shapes "
                              f"{[header.tensors[key].shape for key in keys]}, expected "
                              f"{out_features} rows of {in_features} in all for {name}")
         bias = None if old is None or old.bias is None else old.bias      # still on meta
-        quant = QuantLinear(qtype, torch.from_numpy(blocks), in_features, bias)
+        quant = QuantLinear(qtypes, [torch.from_numpy(np.array(b)) for b in blocks],  # copies
+                            in_features, bias, int8_rows)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, quant)
-        kept[qtype] = kept.get(qtype, 0) + 1
+        kept[quant.qtype] = kept.get(quant.qtype, 0) + 1
         if name != "lm_head" or not model.config.tie_word_embeddings:
             used.update(keys)
+    embed = header.tensors.get("token_embd.weight")
+    if embed is not None and embed.type_name in KEPT_TYPES and model.shard is None:
+        head = model.lm_head
+        if model.config.tie_word_embeddings and isinstance(head, QuantLinear) \
+                and len(head.parts) == 1:
+            model.embed_tokens = QuantEmbedding.of_head(head, dtype)
+        else:
+            model.embed_tokens = QuantEmbedding(
+                embed.type_name, torch.from_numpy(np.array(header.raw(embed))),
+                model.config.hidden_size, dtype)
+        used.add("token_embd.weight")
+        log.info("quantization gguf: the embedding's lookups read its %s blocks%s",
+                 embed.type_name, " (the tied LM head's)" if model.config.tie_word_embeddings
+                 else "")
     total = 4 * model.config.num_layers + 1
     if kept:
         log.info("quantization gguf: %d of %d linear layers kept in their blocks (%s)",
@@ -152,19 +201,19 @@ def _keep_gguf_blocks(model: CausalLM, header) -> frozenset[str]:
     else:
         log.warning("quantization gguf: none of %s's linear layers is of a block type "
                     "zserve runs on (%s); all are dequantized (this file needs "
-                    "--quantization none's memory)", header.path.name, ", ".join(BLOCK_TYPES))
+                    "--quantization none's memory)", header.path.name, ", ".join(KEPT_TYPES))
     return frozenset(used)
 
 
 def _quantize_int8(weight: torch.Tensor, bias: torch.Tensor | None,
-                   fallback: type[nn.Module] | None) -> nn.Module | None:
+                   fallback: type[nn.Module] | None, int8_rows: int) -> nn.Module | None:
     """--quantization int8: a loaded float linear layer as Q8_0 blocks (one scale per 32
     weights). A layer whose input width is not a multiple of 32 gets `fallback` (the float
     layer it would have had), or stays as it is (None)."""
     if weight.shape[1] % 32:
         return fallback(weight, bias) if fallback is not None else None
     return QuantLinear("Q8_0", quantize_q8_0(weight), weight.shape[1],
-                       None if bias is None else bias.detach())
+                       None if bias is None else bias.detach(), int8_rows)
 
 
 @contextlib.contextmanager

@@ -1,33 +1,66 @@
-"""QuantLinear: a linear layer whose weight stays quantized in memory, run by kernels/quant.c.
+"""QuantLinear: a linear layer whose weight stays in GGUF's blocks in memory, run by our C
+kernels: kernels/blocks.c (float activations, every type below) and kernels/quant.c (x
+rounded to int8 per block, as llama.cpp does; Q8_0, Q4_0 and Q4_1 only).
 
-The weight is GGUF's own blocks of 32 (Q8_0, Q4_0 or Q4_1; quant.c gives the layouts): the
-bytes of the file, regrouped 8 output rows at a time so that the kernel computes 8 outputs
-per vector (or, for --quantization int8, Q8_0 blocks made at load from a float checkpoint:
-`quantize_q8_0`). A decode step reads 8.5 bits (Q8_0), 4.5 (Q4_0) or 5 (Q4_1) per weight
-instead of 32 (float32) or 16 (bfloat16): the single-stream decode that is bound by memory
-bandwidth reads 2-7x fewer bytes.
+The weight is the file's own bytes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (blocks of 32),
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS (blocks of 256); or, for --quantization int8, Q8_0
+blocks made at load from a float checkpoint (`quantize_q8_0`). The loader keeps
+KEPT_TYPES in blocks. A decode step reads 2.6 to
+8.5 bits per weight instead of 32 (float32) or 16 (bfloat16). A fused layer whose GGUF
+tensors differ in type (Q4_K_M: q and k in Q4_K, v in Q6_K) keeps each part in its own
+type: the layer is up to MAX_PARTS parts of consecutive output rows (blocks.c:
+zs_linear_parts), so its memory is the file's.
 
-x is quantized to int8 per block of 32 inside the kernel, as llama.cpp does: outputs differ
-from dequantize-then-matmul by x's rounding only (relative ~1e-3 of a typical output).
-x and y are float32 for the kernel; another model dtype (bfloat16) is cast around it.
+Which kernel multiplies (one rule, in blocks.c's zs_linear_parts, for this module and for
+decode.c alike):
+- blocks.c, float activations: each block dequantized in registers, bit for bit as
+  gguf.quants.dequantize gives it, times x as it is. The output differs from
+  dequantize-then-matmul by float32 summation order only, so greedy output is the
+  dequantized model's. Every type at every M, except:
+- quant.c, x rounded to int8 per block of 32 (relative ~1e-3 of a typical output), for
+  Q8_0 / Q4_0 / Q4_1 parts in steps of at least `int8_rows` rows (--int8-activation-rows,
+  default INT8_ROWS = 1: every step, llama.cpp's arithmetic). Its integer dot products are
+  several times cheaper per weight than blocks.c's float ones today (one core, batch 1:
+  0.07 against 0.36 ns a Q4_1 weight), so exactness on these types is a choice, not yet
+  the default.
+Every part is kept regrouped 8 output rows at a time (`regroup`: the file's bytes, reordered
+so that each weight's 8 rows load into the 8 lanes of one vector); for those three types
+that is quant.c's layout, so one copy serves both kernels.
+
+x and y are float32 for the kernels; another model dtype (bfloat16) is cast around them.
 Only where kernels.avx2_available(cpu); elsewhere the loader dequantizes (loader.py).
 """
 
 from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from models import kernels
+from wire.server_args import INT8_ROWS   # rows of x from which INT8_TYPES take quant.c
 
-# ggml type name -> (gguf.GGMLQuantizationType value, bytes per block of 32 weights)
-BLOCK_TYPES = {"Q8_0": (8, 34), "Q4_0": (2, 18), "Q4_1": (3, 20)}
-BLOCK = 32
+# ggml type name -> (gguf.GGMLQuantizationType value, weights per block, bytes per block)
+BLOCK_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
+               "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34), "IQ4_NL": (20, 32, 18),
+               "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144),
+               "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "IQ4_XS": (23, 256, 136)}
+INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")     # quant.c's too, kept in its 8-row groups
+# What the loader keeps in blocks: the types blocks.c has a vectorized path for (or quant.c).
+# The others run on its scalar path, correct but slower than their float32 dequantization
+# (2-3 ns a weight on one core, against ~0.5), so a file's Q2_K, Q3_K, IQ4_NL and IQ4_XS
+# layers are still dequantized at load.
+KEPT_TYPES = (*INT8_TYPES, "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+MAX_PARTS = 3                            # blocks.c: ZS_MAX_PARTS
+BLOCK = 32                               # quant.c's block
 
 
 def row_bytes(qtype: str, in_features: int) -> int:
-    return in_features // BLOCK * BLOCK_TYPES[qtype][1]
+    _, values, size = BLOCK_TYPES[qtype]
+    return in_features // values * size
 
 
 def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
@@ -40,18 +73,36 @@ def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(blocks))
 
 
-def interleave(qtype: str, blocks: torch.Tensor) -> torch.Tensor:
-    """GGUF rows of blocks, uint8 [N, K/32 * block bytes] -> quant.c's groups of 8 rows
-    (quant.c says how; N is padded with zero rows to a multiple of 8), flat uint8."""
+# Each type's block as fields (byte offset, size), as blocks.c's FIELDS (tests/test_blocks.py
+# holds the two together: regroup here, ungroup there, gguf's values back).
+FIELDS = {"Q4_0": ((0, 2), (2, 16)), "IQ4_NL": ((0, 2), (2, 16)),
+          "Q4_1": ((0, 2), (2, 2), (4, 16)), "Q5_0": ((0, 2), (2, 4), (6, 16)),
+          "Q5_1": ((0, 2), (2, 2), (4, 4), (8, 16)), "Q8_0": ((0, 2), (2, 32)),
+          "Q2_K": ((0, 16), (16, 64), (80, 2), (82, 2)),
+          "Q3_K": ((0, 32), (32, 64), (96, 12), (108, 2)),
+          "Q4_K": ((0, 2), (2, 2), (4, 12), (16, 128)),
+          "Q5_K": ((0, 2), (2, 2), (4, 12), (16, 32), (48, 128)),
+          "Q6_K": ((0, 128), (128, 64), (192, 16), (208, 2)),
+          "IQ4_XS": ((0, 2), (2, 2), (4, 4), (8, 128))}
+
+
+def regroup(qtype: str, blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF rows of blocks, uint8 [N, bytes per row] -> groups of 8 rows (N padded with zero
+    rows to a multiple of 8), flat uint8, the same bytes reordered: a group's blocks in
+    order, each block's fields one after another, a field of B bytes as B / w units of w
+    bytes (w = 2 for the fp16 scales, else 4) with unit c of rows 0..7 side by side. For
+    Q4_0, Q4_1 and Q8_0 this is quant.c's layout (its header comment), so one copy serves
+    both kernels; blocks.c reads every type from it (blocks_impl.h)."""
     n, row = blocks.shape
-    size = BLOCK_TYPES[qtype][1]
+    size = BLOCK_TYPES[qtype][2]
     nb, pad = row // size, -n % 8
     b = torch.cat([blocks, blocks.new_zeros(pad, row)]).view(-1, 8, nb, size)
-    head = 4 if qtype == "Q4_1" else 2                    # bytes of scale (and min)
-    scales = b[..., :head].view(-1, 8, nb, head // 2, 2).permute(0, 2, 3, 1, 4)  # [G,nb,s,8,2]
-    quads = b[..., head:].reshape(-1, 8, nb, (size - head) // 4, 4).permute(0, 2, 3, 1, 4)
-    return torch.cat([scales.reshape(-1, nb, head * 8), quads.reshape(-1, nb, (size - head) * 8)],
-                     dim=-1).contiguous().view(-1)
+    fields = []
+    for off, width in FIELDS[qtype]:
+        w = 2 if width == 2 else 4
+        f = b[..., off:off + width].reshape(-1, 8, nb, width // w, w).permute(0, 2, 3, 1, 4)
+        fields.append(f.reshape(-1, nb, 8 * width))              # [groups, nb, units*8*w]
+    return torch.cat(fields, dim=-1).contiguous().view(-1)
 
 
 def dequantize(qtype: str, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -62,27 +113,75 @@ def dequantize(qtype: str, blocks: torch.Tensor, in_features: int) -> torch.Tens
     return torch.from_numpy(np.ascontiguousarray(out)).reshape(-1, in_features)
 
 
-class QuantLinear(nn.Module):
-    """y = x W^T + b with W as quantized blocks: given as GGUF rows of blocks, kept
-    regrouped 8 rows at a time (interleave). `blocks` is a non-persistent buffer (the state
-    dict holds only the bias, which the loader fills like any other parameter)."""
+class _Part(ctypes.Structure):            # blocks.c: ZsPart
+    _fields_ = [("type", ctypes.c_int64), ("int8", ctypes.c_int64),
+                ("rows", ctypes.c_int64), ("weight", ctypes.c_void_p)]
 
-    def __init__(self, qtype: str, blocks: torch.Tensor, in_features: int,
-                 bias: torch.Tensor | None = None):
+
+class _Blocks(ctypes.Structure):          # blocks.c: ZsBlocks
+    _fields_ = [("nparts", ctypes.c_int64), ("avx512", ctypes.c_int64),
+                ("int8_rows", ctypes.c_int64), ("part", _Part * MAX_PARTS)]
+
+
+def _merged(qtypes: Sequence[str], blocks: Sequence[torch.Tensor]):
+    """Consecutive parts of one type as one part."""
+    out: list[tuple[str, list[torch.Tensor]]] = []
+    for qtype, b in zip(qtypes, blocks):
+        if out and out[-1][0] == qtype:
+            out[-1][1].append(b)
+        else:
+            out.append((qtype, [b]))
+    return [(qtype, bs[0] if len(bs) == 1 else torch.cat(bs)) for qtype, bs in out]
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T + b with W as GGUF blocks: `qtype` and `blocks` (uint8 [rows, bytes per
+    row], the file's rows) for one part, or sequences of them for the parts of a fused
+    layer, in output row order. The blocks are non-persistent buffers (the state dict holds
+    only the bias, which the loader fills like any other parameter). int8_rows: the rule's
+    threshold (module doc); 1 takes quant.c at every M, a huge value never (for tests and
+    comparisons)."""
+
+    def __init__(self, qtype: str | Sequence[str], blocks: torch.Tensor | Sequence[torch.Tensor],
+                 in_features: int, bias: torch.Tensor | None = None,
+                 int8_rows: int = INT8_ROWS):
         super().__init__()
-        if qtype not in BLOCK_TYPES:
-            raise ValueError(f"QuantLinear serves {sorted(BLOCK_TYPES)}, not {qtype}")
-        if in_features % BLOCK or blocks.dim() != 2 or blocks.dtype != torch.uint8 \
-                or blocks.shape[1] != row_bytes(qtype, in_features):
-            raise ValueError(f"{qtype} weight blocks {tuple(blocks.shape)} {blocks.dtype} do "
-                             f"not fit {in_features} input features")
-        self.qtype, self.in_features, self.out_features = qtype, in_features, blocks.shape[0]
-        self.register_buffer("blocks", interleave(qtype, blocks), persistent=False)
+        qtypes = [qtype] if isinstance(qtype, str) else list(qtype)
+        blocks = [blocks] if isinstance(blocks, torch.Tensor) else list(blocks)
+        parts = _merged(qtypes, blocks)
+        if len(parts) > MAX_PARTS:
+            raise ValueError(f"QuantLinear takes at most {MAX_PARTS} parts of different "
+                             f"types, got {[t for t, _ in parts]}")
+        self.in_features, self.out_features = in_features, sum(b.shape[0] for _, b in parts)
+        self.qtype = "+".join(t for t, _ in parts)
+        self.parts: list[tuple[str, int]] = []             # (type, rows) of each part
+        for i, (t, b) in enumerate(parts):
+            if t not in BLOCK_TYPES:
+                raise ValueError(f"QuantLinear serves {sorted(BLOCK_TYPES)}, not {t}")
+            if in_features % BLOCK_TYPES[t][1] or b.dim() != 2 or b.dtype != torch.uint8 \
+                    or b.shape[1] != row_bytes(t, in_features):
+                raise ValueError(f"{t} weight blocks {tuple(b.shape)} {b.dtype} do not fit "
+                                 f"{in_features} input features")
+            self.register_buffer(f"blocks_{i}", regroup(t, b), persistent=False)
+            self.parts.append((t, b.shape[0]))
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self._type_id = BLOCK_TYPES[qtype][0]
-        self._kernel = kernels.library().zs_linear_quant
-        self._call: tuple | None = None          # the kernel's fixed arguments (_run)
-        self._bias_after: torch.Tensor | None = None
+        self.int8_rows = int8_rows
+        self._kernel = kernels.library().zs_linear_parts
+        self._c: _Blocks | None = None           # c_blocks(), built on first use
+        self._bias_call: tuple | None = None     # (fused bias pointer, bias added after)
+
+    def c_blocks(self) -> int:
+        """The address of blocks.c's description of this layer (ZsBlocks: its parts and the
+        kernel rule, module doc), built on the first call, when the buffers are where they
+        stay."""
+        if self._c is None:
+            c = _Blocks(len(self.parts), int(kernels.available("cpu", torch.float32)),
+                        self.int8_rows)
+            for i, (t, rows) in enumerate(self.parts):
+                c.part[i] = _Part(BLOCK_TYPES[t][0], int(t in INT8_TYPES), rows,
+                                  getattr(self, f"blocks_{i}").data_ptr())
+            self._c = c
+        return ctypes.addressof(self._c)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.qtype}"
@@ -106,16 +205,62 @@ class QuantLinear(nn.Module):
 
     def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """The kernel on float32 x [M, K] -> y [M, N], both contiguous."""
-        if self._call is None:      # once: the loader assigns the bias after __init__
+        if self._bias_call is None:     # once: the loader assigns the bias after __init__
             bias = self.bias
             fused = bias is None or bias.dtype == torch.float32
-            self._bias_after = None if fused else bias
-            self._call = (self._type_id, self.in_features, self.blocks.data_ptr(),
-                          self.out_features, None if bias is None or not fused
-                          else bias.data_ptr())
-        t, k, w, n, b = self._call
+            self._bias_call = (None if bias is None or not fused else bias.data_ptr(),
+                               None if fused else bias)
+        b, after = self._bias_call
         m = x.shape[0]
-        if m and self._kernel(t, x.data_ptr(), m, k, w, n, b, y.data_ptr()):
-            raise MemoryError(f"QuantLinear: no memory for the int8 copy of {m} rows")
-        if self._bias_after is not None:
-            y += self._bias_after
+        if m and self._kernel(self.c_blocks(), x.data_ptr(), m, self.in_features, b,
+                              y.data_ptr()):
+            raise MemoryError(f"QuantLinear: no memory for the scratch copies of {m} rows")
+        if after is not None:
+            y += after
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding whose table stays in GGUF's blocks: `forward(ids)` dequantizes just the
+    rows it looks up (blocks.c: zs_dequant_rows, bit for bit gguf's values), in the model
+    dtype. The table is its own (the file's rows of one type) or, for a tied LM head, the
+    head's QuantLinear's one-part buffer (`of_head`): one copy serves the lookup and the
+    logits. No float copy of the table is ever made."""
+
+    def __init__(self, qtype: str, blocks: torch.Tensor, embedding_dim: int,
+                 dtype: torch.dtype, rows: int | None = None):
+        """blocks: GGUF rows [N, bytes per row], or (rows given) an already regrouped table
+        of that many rows."""
+        super().__init__()
+        if qtype not in BLOCK_TYPES or embedding_dim % BLOCK_TYPES[qtype][1]:
+            raise ValueError(f"QuantEmbedding: {qtype} rows of {embedding_dim} values")
+        self.qtype, self.embedding_dim, self.dtype = qtype, embedding_dim, dtype
+        self.num_embeddings = blocks.shape[0] if rows is None else rows
+        self.register_buffer("blocks", blocks if rows is not None else regroup(qtype, blocks),
+                             persistent=False)
+        lib = kernels.library()
+        self._kernel = (lib.zs_dequant_rows_avx512 if kernels.available("cpu", torch.float32)
+                        else lib.zs_dequant_rows_avx2)
+
+    @classmethod
+    def of_head(cls, head: QuantLinear, dtype: torch.dtype) -> "QuantEmbedding":
+        """The lookup of a tied model, on its LM head's blocks (one part)."""
+        (qtype, rows), = head.parts
+        return cls(qtype, head.blocks_0, head.in_features, dtype, rows=rows)
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype}"
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty((flat.shape[0], self.embedding_dim), dtype=torch.float32)
+        if flat.numel() and self._kernel(BLOCK_TYPES[self.qtype][0],
+                                         self.blocks.data_ptr(), self.num_embeddings,
+                                         self.embedding_dim, flat.data_ptr(), flat.shape[0],
+                                         out.data_ptr()):
+            raise IndexError(f"QuantEmbedding: an id outside [0, {self.num_embeddings})")
+        out = out.view(*ids.shape, self.embedding_dim)
+        return out if self.dtype == torch.float32 else out.to(self.dtype)

@@ -118,6 +118,7 @@ def build_scheduler(config: ServerConfig, addrs: Addresses, replica: int, group)
     """Rank 0 of a replica: the model (this rank's shard), the KV manager, the sockets and
     the Scheduler core. Returns (scheduler, inbox, ready info); under tensor parallelism
     it returns once every rank holds its shard and its copy of the request table."""
+    from models import describe_weights
     from scheduler_proc.grammar import GrammarCompiler
     from scheduler_proc.kv_manager import KVManager
     from scheduler_proc.runner import ModelRunner
@@ -149,5 +150,6 @@ def build_scheduler(config: ServerConfig, addrs: Addresses, replica: int, group)
                 to_api[msg.api].send(msg)
         scheduler = Scheduler(args, runner, kv, outbox.send, reply, grammars=grammars)
     info = {"max_total_tokens": runner.pool_size, "context_length": config.context_length,
-            "dtype": config.dtype, "device": str(runner.device)}
+            "dtype": config.dtype, "device": str(runner.device),
+            "weights": describe_weights(runner.model)}
     return scheduler, inbox, info

@@ -121,7 +121,8 @@ class ModelRunner:
         self.config = ModelConfig.from_dir(resolved.model_path)     # the whole model's
         self.context_len = resolved.context_length
         self.model = load_model(resolved.model_path, self.dtype, self.device, tp=tp,
-                                quantization=resolved.quantization)
+                                quantization=resolved.quantization,
+                                int8_rows=args.int8_activation_rows)
         self.eos_ids = list(self.config.eos_token_ids)
         c = self.model.config                       # this rank's heads (all of them on one)
         self.pool_size = args.max_total_tokens or self._default_pool_size(args)

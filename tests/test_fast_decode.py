@@ -40,7 +40,7 @@ def both_paths(model, batch: int):
     for fast in (model.fast, None):
         torch.manual_seed(0)
         cache = KVCache(c.num_layers, 40 * batch, c.num_kv_heads, c.head_dim,
-                        model.embed_tokens.weight.dtype, "cpu")
+                        model.norm.weight.dtype, "cpu")
         for kv in cache.kv:
             kv.normal_()
         table = torch.arange(1, 40 * batch + 1).view(batch, 40)

@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from checkpoints import gguf_quants
 from checkpoints.tiny import build_tiny_checkpoint
 from model_helpers import DenseCausalAttention
 from reference import _greedy, assert_greedy_match
@@ -53,11 +54,12 @@ def _rope_theta(cfg: dict) -> float:
 
 def write_gguf(hf_dir: Path, out: Path, qtype=F32, types: dict | None = None,
                arch: str | None = None, rope_freqs: torch.Tensor | None = None,
-               metadata=None) -> Path:
+               metadata=None, quantize_all: bool = False) -> Path:
     """The HF checkpoint hf_dir as a GGUF file. types: GGUF tensor name suffix (e.g.
     "attn_q.weight") -> ggml type for 2-D tensors, overriding qtype; a type the gguf library
     cannot quantize gets random blocks with small scales (transformers is then the
-    reference). metadata(writer) may add or override keys."""
+    reference), or with quantize_all the model's own weights quantized by
+    checkpoints/gguf_quants.py. metadata(writer) may add or override keys."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     family = cfg["model_type"]
     arch = arch or family
@@ -104,7 +106,8 @@ def write_gguf(hf_dir: Path, out: Path, qtype=F32, types: dict | None = None,
         elif ttype in QUANTIZABLE:
             w.add_tensor(new, gguf.quants.quantize(data, ttype), raw_dtype=ttype)
         else:
-            w.add_tensor(new, random_blocks(rng, data.shape, ttype), raw_dtype=ttype)
+            w.add_tensor(new, gguf_quants.quantize(data, ttype) if quantize_all
+                         else random_blocks(rng, data.shape, ttype), raw_dtype=ttype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,8 +1,10 @@
 """Quantized weights served natively (--quantization): kernels/quant.c through QuantLinear,
-the loader keeping a GGUF file's blocks, and the models that run on them.
+the loader keeping a GGUF file's blocks, and the models that run on them (blocks.c, the
+float-activation kernel that serves small batches, has tests/test_blocks.py).
 
-The kernel quantizes x to int8 per block of 32 (as llama.cpp does), so its outputs differ
-from dequantize-then-matmul by x's rounding only. Two kinds of check follow from that:
+quant.c quantizes x to int8 per block of 32 (as llama.cpp does), so its outputs differ
+from dequantize-then-matmul by x's rounding only; the kernel tests here ask QuantLinear for
+it at every M (int8_rows=1), the model tests run prefills of 64 tokens (past INT8_ROWS). Two kinds of check follow from that:
 - x that int8 represents exactly (each block a scale times integers up to 127, one of them
   127): the kernel must equal float64 dequantize-then-matmul to float32 summation error;
 - any x: the error must stay within the rounding bound, sum over blocks of
@@ -72,7 +74,7 @@ def test_kernel_exact_on_int8_representable_x(qtype, m, n, k):
     q[:, :, 5] = 127 * torch.sign(torch.randn(m, k // 32, generator=g))
     x = (q * (torch.rand(m, k // 32, 1, generator=g).double() + 0.05)).view(m, k).float()
     for b in (None, bias):
-        y = QuantLinear(qtype, blocks, k, b)(x).double()
+        y = QuantLinear(qtype, blocks, k, b, int8_rows=1)(x).double()
         ref = x.double() @ w.T + (0 if b is None else b.double())
         scale = x.double().abs() @ w.abs().T + 1.0
         assert ((y - ref).abs() / scale).max() < 1e-5, (qtype, m, n, k)
@@ -86,7 +88,7 @@ def test_kernel_within_int8_rounding_of_x(qtype, m, n, k):
     blocks = blocks_of(torch.randn(n, k, generator=g), qtype)
     w = dequantize(qtype, blocks, k).double()
     x = torch.randn(m, k, generator=g) * torch.rand(m, k, generator=g) * 3
-    y = QuantLinear(qtype, blocks, k)(x).double()
+    y = QuantLinear(qtype, blocks, k, int8_rows=1)(x).double()
     ref = x.double() @ w.T
     dx = x.double().view(m, -1, 32).abs().amax(-1) / 127                  # [m, blocks]
     bound = (dx / 2) @ w.abs().view(n, -1, 32).sum(-1).T                  # [m, n]
@@ -112,8 +114,10 @@ def test_kernel_shapes_dtypes_and_errors():
         lin(torch.randn(2, 32))
     with pytest.raises(ValueError, match="do not fit"):
         QuantLinear("Q4_1", blocks, 96)
+    with pytest.raises(ValueError, match="do not fit"):
+        QuantLinear("Q6_K", blocks, 64)                 # 64 is no row of 256-value blocks
     with pytest.raises(ValueError, match="serves"):
-        QuantLinear("Q6_K", blocks, 64)
+        QuantLinear("IQ2_XS", blocks, 64)
 
 
 def test_quantize_q8_0_round_trip():
@@ -263,6 +267,70 @@ def test_q4_native_argmaxes_agree_with_dequantized(tiny_file, family, qtype):
     assert agree >= 0.9, agree
 
 
+# K-quant files as llama-quantize mixes them: Q4_K_M keeps attn_v and ffn_down (and the
+# output) in Q6_K, the rest in Q4_K; Q6_K is one type throughout. Widths of 256 (the
+# K-quants' blocks), the weights quantized by checkpoints/gguf_quants.py.
+K_MIXES = {"Q4_K_M": (T.Q4_K, {"attn_v.weight": T.Q6_K, "ffn_down.weight": T.Q6_K,
+                               "output.weight": T.Q6_K}),
+           "Q6_K": (T.Q6_K, {})}
+
+
+@pytest.fixture(scope="module")
+def k_file(tmp_path_factory):
+    made = {}
+
+    def make(mix: str) -> Path:
+        if mix not in made:
+            from checkpoints.tiny import build_tiny_checkpoint
+            out = tmp_path_factory.mktemp(f"k-{mix}")
+            hf_dir = build_tiny_checkpoint(out / "hf", "llama", hidden_size=256,
+                                           intermediate_size=512, tie_word_embeddings=False)
+            base, types = K_MIXES[mix]
+            made[mix] = write_gguf(hf_dir, out / f"tiny-{mix}.gguf", base, types=types,
+                                   quantize_all=True)
+        return made[mix]
+    return make
+
+
+@needs_kernels
+@pytest.mark.parametrize("mix", sorted(K_MIXES))
+def test_k_quant_file_served_in_its_blocks(k_file, mix, caplog):
+    """Every linear layer of a Q4_K_M / Q6_K file stays in its blocks (the fused q/k/v of
+    Q4_K_M in two parts, Q4_K and Q6_K), the weights hold the file's bytes, and the model
+    agrees with the dequantized one: teacher-forced argmaxes (float activations: the same
+    up to float summation, so all but near ties) and greedy ids through near ties."""
+    path = k_file(mix)
+    with caplog.at_level("INFO", logger="models.loader"):
+        native = load_model(path, torch.float32, "cpu", quantization="gguf")
+    n = native.config.num_layers
+    assert f"{4 * n + 1} of {4 * n + 1} linear layers kept in their blocks" in caplog.text
+    layers = {m.qtype for m in native.modules() if isinstance(m, QuantLinear)}
+    assert layers == ({"Q4_K", "Q4_K+Q6_K", "Q6_K"} if mix == "Q4_K_M" else {"Q6_K"})
+    from models import describe_weights
+    from models import gguf as zgguf
+    header = zgguf.read_header(path)
+    linear_bytes = sum(info.nbytes for key, info in header.tensors.items()
+                       if key.startswith("blk.") and key.endswith("weight")
+                       and header.tensors[key].type_name != "F32")
+    held = sum(b.numel() for m in native.modules() if isinstance(m, QuantLinear)
+               for b in m.buffers())
+    out = header.tensors["output.weight"]
+    pad = -out.shape[0] % 8 * (out.nbytes // out.shape[0])      # the head's last group
+    assert held == linear_bytes + out.nbytes + pad              # the file's blocks, no more
+    summary = describe_weights(native)["linear_layers"]
+    assert sum(summary.values()) == 4 * n + 1 and set(summary) == layers
+    plain = load_model(path, torch.float32, "cpu", quantization="none")
+    agree, _ = agreement_and_ppl(native, plain, IDS)
+    assert agree >= 0.95, agree
+    compared = 0
+    for start in range(0, 32, 8):
+        prompt = IDS[start:start + 8].tolist()
+        ref_ids, margins = our_greedy_with_margins(plain, prompt, 16)
+        ours, _ = our_greedy_with_margins(native, prompt, 16)
+        compared += assert_greedy_through_ties(ours, ref_ids, margins, TINY_TIE, mix)
+    assert compared >= 4 * 16 // 2
+
+
 # ---- the real model: SmolLM2-135M-Instruct, its Q4_1 file and requantizations of it ----
 
 
@@ -354,15 +422,17 @@ def test_int8_quantizes_a_float_checkpoint(tiny_model):
 
 
 def test_mixed_file_keeps_only_native_layers_in_blocks(tiny_model, tmp_path):
-    """A layer whose parts are of a type quant.c lacks (F32 here), or a fused layer of two
-    types, is dequantized; the others stay in blocks; the model still runs."""
+    """A layer whose parts are of a type the kernels lack (F32 here) is dequantized; a
+    fused layer of two block types keeps each part in its own; the model still runs."""
     if not kernels.avx2_available("cpu"):
         pytest.skip("no quantized kernels here")
     path = write_gguf(tiny_model("llama"), tmp_path / "mixed.gguf", T.Q8_0,
                       types={"attn_v.weight": T.Q4_0, "ffn_down.weight": T.F32})
     model = load_model(path, torch.float32, "cpu", quantization="gguf")
     layer = model.layers[0]
-    assert not isinstance(layer.self_attn.qkv_proj, QuantLinear)      # Q8_0 + Q4_0 parts
+    assert layer.self_attn.qkv_proj.qtype == "Q8_0+Q4_0"                # q, k; then v
+    assert layer.self_attn.qkv_proj.parts == [
+        ("Q8_0", model.config.q_size + model.config.kv_size), ("Q4_0", model.config.kv_size)]
     assert not isinstance(layer.mlp.down_proj, QuantLinear)           # F32
     assert isinstance(layer.mlp.gate_up_proj, QuantLinear)
     assert isinstance(layer.self_attn.o_proj, QuantLinear)

@@ -74,6 +74,10 @@ def flag_type(annotation) -> type:
 
 
 QUANTIZATIONS = ("none", "gguf", "int8")                 # what --quantization resolves to
+# --int8-activation-rows' default: from this many rows of a step on, Q8_0 / Q4_0 / Q4_1
+# layers take the int8 kernel (models/quant_linear.py: the rule). 1: at every step, as
+# llama.cpp: the float-activation kernel is still ~3-5x slower a weight on these types.
+INT8_ROWS = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,11 +99,20 @@ class ServerArgs:
     dtype: str = _opt("auto", "Weight and activation dtype (auto: bfloat16 on cuda, float32 "
                       "on cpu).", choices=["auto", "float32", "bfloat16", "float16"])
     quantization: str = _opt("auto", "Weights kept quantized in memory (CPU, one rank): "
-                             "gguf serves a GGUF file's Q8_0/Q4_0/Q4_1 layers in their own "
-                             "blocks on zserve's int8 kernels; int8 quantizes a float "
-                             "checkpoint's linear layers to Q8_0 at load; none dequantizes "
-                             "to --dtype. auto: gguf for a GGUF file where the CPU has AVX2, "
-                             "else none.", choices=["auto", *QUANTIZATIONS])
+                             "gguf serves a GGUF file's linear layers in their own blocks "
+                             "where their type has a kernel (Q4_0 to Q8_0, Q4_K, Q5_K, "
+                             "Q6_K); int8 quantizes a float checkpoint's linear layers "
+                             "to Q8_0 at load; none dequantizes to --dtype. auto: gguf for "
+                             "a GGUF file where the CPU has AVX2, else none.",
+                             choices=["auto", *QUANTIZATIONS])
+    int8_activation_rows: int = _opt(INT8_ROWS, "Q8_0/Q4_0/Q4_1 layers round activations "
+                                     "to int8 per block of 32 (llama.cpp's arithmetic, the "
+                                     "fastest here) in steps of at least this many rows; "
+                                     "smaller steps multiply by float activations, each "
+                                     "block dequantized in registers: the dequantized "
+                                     "model's output up to float summation order, slower "
+                                     "for now. The K-quants always take float activations. "
+                                     "A large value (e.g. 1000000): float always.")
     context_length: int | None = _opt(None, "Context length (default: the model's "
                                       "max_position_embeddings).")
     max_total_tokens: int | None = _opt(None, "KV pool size in tokens (default: from a "
@@ -202,6 +215,7 @@ class ServerArgs:
         for name in ("port", "max_running_requests", "chunked_prefill_size",
                      "tokenizer_worker_num", "api_server_count", "dp_size", "tp_size",
                      "nnodes", "dist_timeout", "max_request_bytes", "read_timeout",
+                     "int8_activation_rows",
                      "keep_alive_timeout", "send_timeout", "watchdog_timeout"):
             if not getattr(self, name) > 0 or getattr(self, name) == float("inf"):
                 _refuse(f"--{name.replace('_', '-')} must be positive")

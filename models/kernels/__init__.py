@@ -1,7 +1,9 @@
 """zserve's own CPU kernels (in C): the library and its ctypes signatures.
 
     linear.c       y = x W^T + b on weights laid out in panels (models/cpu_linear.py)
-    quant.c        y = x W^T + b on GGUF's Q8_0 / Q4_0 / Q4_1 blocks (models/quant_linear.py)
+    blocks.c       y = x W^T + b on GGUF's blocks (every type QuantLinear serves), float x:
+                   each block dequantized in registers (models/quant_linear.py)
+    quant.c        the same on Q8_0 / Q4_0 / Q4_1 blocks with x rounded to int8 (larger batches)
     attention.c    decode attention read in place from the paged KV pool (attention.py)
     elementwise.c  residual add + RMSNorm, RoPE, SiLU-and-multiply (models/llama.py)
     decode.c       every layer of a step of decode rows in one call (models/fast_decode.py)
@@ -19,7 +21,8 @@ them out); callers then fall back to torch (oneDNN-packed linears, SDPA, plain e
 ops). Both switches are read in wire/cpu.py (runs_avx512_kernels), the rule's one home.
 AVX2 versions (AVX2 + FMA + F16C: every x86-64 CPU since 2013) have their own check,
 `avx2_available(device)`: the quantized linear layers (where it is false, quantized
-weights are dequantized at load instead: --quantization, README "Quantized weights"), and
+weights are dequantized at load instead: --quantization, README "Quantized weights";
+blocks.c's AVX-512 version serves them where `available(cpu, float32)`), and
 where `available` is false the *_avx2 functions of linear.c, attention.c and elementwise.c
 (float32 and bfloat16). `function(name, device, dtype)` picks attention.c's and
 elementwise.c's version by that rule; CpuLinear and FastDecode ask `available`.
@@ -80,10 +83,23 @@ SIGNATURES = {
     "zs_add_rms_norm_avx2": [_int, _p, _p, _p, _p, _float, _i64, _i64, _p],
     "zs_rope_avx2": [_int, _p, _i64, _i64, _i64, _i64, _p, _p],
     "zs_silu_mul_avx2": [_int, _p, _i64, _i64, _p],
-    # (ggml type, x, M, K, weight blocks, N, bias or NULL, y) -> 0, or -1: out of memory
-    "zs_linear_quant": [_int, _p, _i64, _i64, _p, _i64, _p, _p],
+    # (ggml type, x, M, K, weight groups, N, bias or NULL, y, y row stride) -> 0, or -1:
+    # out of memory
+    "zs_linear_quant": [_int, _p, _i64, _i64, _p, _i64, _p, _p, _i64],
+    # (ggml type, x, M, K, weight groups, N, bias or NULL, y, y row stride) -> 0, or -1
+    # (blocks.c: float activations)
+    "zs_linear_blocks_avx2": [_int, _p, _i64, _i64, _p, _i64, _p, _p, _i64],
+    "zs_linear_blocks_avx512": [_int, _p, _i64, _i64, _p, _i64, _p, _p, _i64],
+    # (ggml type, weight groups, N, K, int64 ids, n, out) -> 0, or -1: an id outside
+    # [0, N) (blocks.c: an embedding's rows)
+    "zs_dequant_rows_avx2": [_int, _p, _i64, _i64, _p, _i64, _p],
+    "zs_dequant_rows_avx512": [_int, _p, _i64, _i64, _p, _i64, _p],
+    # (ZsBlocks *, x, M, K, bias or NULL, y) -> 0, or -1 (blocks.c: a layer in parts)
+    "zs_linear_parts": [_p, _p, _i64, _i64, _p, _p],
 }
-RESTYPES = {"zs_linear_quant": _int, "zs_decode_layers": _int}
+RESTYPES = {"zs_linear_quant": _int, "zs_decode_layers": _int, "zs_linear_blocks_avx2": _int,
+            "zs_linear_blocks_avx512": _int, "zs_linear_parts": _int,
+            "zs_dequant_rows_avx2": _int, "zs_dequant_rows_avx512": _int}
 
 
 @functools.cache

@@ -25,8 +25,9 @@ void zs_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *p, 
                     const uint16_t *bias, uint16_t *y);
 void zs_linear_avx2(int bf16, const void *x, int64_t M, int64_t K, const void *p, int64_t N,
                     const void *bias, void *y);
-int zs_linear_quant(int type, const float *x, int64_t M, int64_t K, const uint8_t *w,
-                    int64_t N, const float *bias, float *y);
+struct ZsBlocks;                        /* blocks.c: a layer in GGUF's blocks */
+int zs_linear_parts(const struct ZsBlocks *L, const float *x, int64_t M, int64_t K,
+                    const float *bias, float *y);
 void zs_add_rms_norm(int bf16, const void *x, const void *r, void *h, const void *w,
                      float eps, int64_t M, int64_t D, void *y);
 void zs_add_rms_norm_avx2(int bf16, const void *x, const void *r, void *h, const void *w,
@@ -48,8 +49,8 @@ void zs_decode_attention_avx2(int bf16, const void *q, int64_t q_stride, const v
                               const int64_t *lens, int64_t B, int64_t H, int64_t Hkv,
                               int64_t D, float scale, void *out);
 
-/* A linear layer: kind > 0 a ggml block type (quant.c, float32 models only), 0 panels on
- * AVX2, -1 panels on AVX-512 (linear.c), in the model's dtype. */
+/* A linear layer: kind 1 blocks (`weight` is blocks.c's ZsBlocks: float32 models only),
+ * 0 panels on AVX2, -1 panels on AVX-512 (linear.c), in the model's dtype. */
 typedef struct {
     int64_t kind;
     const void *weight;
@@ -74,7 +75,7 @@ typedef struct {
 static int linear(const ZsModel *m, const ZsLinear *l, const void *x, int64_t M, int64_t K,
                   int64_t N, void *y) {
     if (l->kind > 0)                    /* float32 activations only (fast_decode.py) */
-        return m->bf16 ? -1 : zs_linear_quant((int)l->kind, x, M, K, l->weight, N, l->bias, y);
+        return m->bf16 ? -1 : zs_linear_parts(l->weight, x, M, K, l->bias, y);
     if (l->kind == 0) zs_linear_avx2((int)m->bf16, x, M, K, l->weight, N, l->bias, y);
     else if (m->bf16) zs_linear_bf16(x, M, K, l->weight, N, l->bias, y);
     else zs_linear_f32(x, M, K, l->weight, N, l->bias, y);

@@ -189,10 +189,11 @@ static int64_t group_block_bytes(int type) {
     return type == GGML_Q8_0 ? 272 : type == GGML_Q4_1 ? 160 : type == GGML_Q4_0 ? 144 : 0;
 }
 
-/* w: ceil(N / 8) groups as above. Returns 0, or -1 if the scratch buffer could not be
+/* w: ceil(N / 8) groups as above; y's rows are ldy apart (a part of a wider output:
+ * blocks.c, zs_linear_parts). Returns 0, or -1 if the scratch buffer could not be
  * allocated or the type is not served (y is then untouched). */
 QTARGET int zs_linear_quant(int type, const float *x, int64_t M, int64_t K, const uint8_t *w,
-                            int64_t N, const float *bias, float *y) {
+                            int64_t N, const float *bias, float *y, int64_t ldy) {
     const int64_t nb = K / QK, groups = (N + 7) / 8;
     const int64_t group_bytes = nb * group_block_bytes(type);
     const int64_t rows = M < MC ? M : MC;
@@ -228,7 +229,7 @@ QTARGET int zs_linear_quant(int type, const float *x, int64_t M, int64_t K, cons
                     TILE_SWITCH(tile_q4(0, mr_, wg, nb, xt, K, dt, st, out))
                 }
                 for (int i = 0; i < mr; i++) {
-                    float *yi = y + (m0 + i0 + i) * N + n0;
+                    float *yi = y + (m0 + i0 + i) * ldy + n0;
                     for (int64_t j = 0; j < nn; j++) yi[j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
                 }
             }

@@ -1,0 +1,159 @@
+/* zserve's block-quantized linear layers with float activations: y[M, N] = x[M, K] W[N, K]^T
+ * (+ bias), x and y float32, W in any of GGUF's block types that zserve serves:
+ *   blocks of 32:  Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL
+ *   blocks of 256: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS
+ * read as the file stores them (a row is K / block values blocks), or for Q4_0, Q4_1 and
+ * Q8_0 in quant.c's groups of 8 rows (the layout its int8 kernel reads; one copy serves
+ * both kernels).
+ *
+ * Each block is dequantized in the kernel, bit for bit as gguf-py's dequantize_blocks
+ * computes it (blocks_impl.h names the layouts), and multiplied with x as it is: no
+ * rounding of the activations, so a layer's output differs from dequantize-then-matmul by
+ * float32 summation order only. That is what makes it the default at small batches
+ * (models/quant_linear.py says where): a decode step at batch 1 is bound by reading the
+ * weights, which stay in their blocks; the arithmetic per weight is a few integer
+ * operations and one fused multiply-add.
+ *
+ * Loop order: threads split the output rows in groups of 8; a thread dequantizes its group
+ * into a scratch buffer once (8 x K floats: in L1/L2), then runs every row of x against
+ * it, 8 outputs at once. At M = 1 each weight is read from memory once; at larger M the
+ * dequantization is shared by the M rows.
+ *
+ * Two versions of the same code (blocks_impl.h, included twice): AVX2 + FMA + F16C (8
+ * lanes) and AVX-512 F/BW/VL (16 lanes), chosen as every other kernel is
+ * (models/kernels/__init__.py: blocks_function).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+enum {                                   /* gguf.GGMLQuantizationType */
+    GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
+    GGML_Q2_K = 10, GGML_Q3_K = 11, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14,
+    GGML_IQ4_NL = 20, GGML_IQ4_XS = 23,
+};
+
+/* IQ4_NL's and IQ4_XS's 16 values (gguf-py: IQ4_NL.kvalues). */
+static const int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                   1, 13, 25, 38, 53, 69, 89, 113};
+
+/* Bytes of one block, by ggml type; 0 for a type not served here. */
+static inline int64_t block_bytes(int type) {
+    switch (type) {
+        case GGML_Q4_0: case GGML_IQ4_NL: return 18;
+        case GGML_Q4_1: return 20;
+        case GGML_Q5_0: return 22;
+        case GGML_Q5_1: return 24;
+        case GGML_Q8_0: return 34;
+        case GGML_Q2_K: return 84;
+        case GGML_Q3_K: return 110;
+        case GGML_Q4_K: return 144;
+        case GGML_Q5_K: return 176;
+        case GGML_Q6_K: return 210;
+        case GGML_IQ4_XS: return 136;
+        default: return 0;
+    }
+}
+
+static inline int64_t block_values(int type) {
+    return type >= GGML_Q2_K && type != GGML_IQ4_NL ? 256 : 32;
+}
+
+/* Each type's block as fields (byte offset, size), in GGUF's order: what regroup
+ * (models/quant_linear.py) interleaves 8 rows at a time, field by field. */
+typedef struct {
+    int n;
+    int off[5], size[5];
+} Fields;
+
+static const Fields F_Q4_0 = {2, {0, 2}, {2, 16}};
+static const Fields F_Q4_1 = {3, {0, 2, 4}, {2, 2, 16}};
+static const Fields F_Q5_0 = {3, {0, 2, 6}, {2, 4, 16}};
+static const Fields F_Q5_1 = {4, {0, 2, 4, 8}, {2, 2, 4, 16}};
+static const Fields F_Q8_0 = {2, {0, 2}, {2, 32}};
+static const Fields F_Q2_K = {4, {0, 16, 80, 82}, {16, 64, 2, 2}};
+static const Fields F_Q3_K = {4, {0, 32, 96, 108}, {32, 64, 12, 2}};
+static const Fields F_Q4_K = {4, {0, 2, 4, 16}, {2, 2, 12, 128}};
+static const Fields F_Q5_K = {5, {0, 2, 4, 16, 48}, {2, 2, 12, 32, 128}};
+static const Fields F_Q6_K = {4, {0, 128, 192, 208}, {128, 64, 16, 2}};
+static const Fields F_IQ4_XS = {4, {0, 2, 4, 8}, {2, 2, 4, 128}};
+
+static inline const Fields *fields_of(int type) {
+    switch (type) {
+        case GGML_Q4_0: case GGML_IQ4_NL: return &F_Q4_0;
+        case GGML_Q4_1: return &F_Q4_1;
+        case GGML_Q5_0: return &F_Q5_0;
+        case GGML_Q5_1: return &F_Q5_1;
+        case GGML_Q8_0: return &F_Q8_0;
+        case GGML_Q2_K: return &F_Q2_K;
+        case GGML_Q3_K: return &F_Q3_K;
+        case GGML_Q4_K: return &F_Q4_K;
+        case GGML_Q5_K: return &F_Q5_K;
+        case GGML_Q6_K: return &F_Q6_K;
+        default: return &F_IQ4_XS;
+    }
+}
+
+/* AVX2 + FMA + F16C */
+#define BT __attribute__((target("avx2,fma,f16c")))
+#define SFX(name) name##_avx2
+#include "blocks_impl.h"
+#undef BT
+#undef SFX
+
+/* The same code built for AVX-512 F/BW/VL (EVEX encodings, the 8-lane algorithm: no 16-lane
+ * or VNNI version yet) */
+#define BT __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#define SFX(name) name##_avx512
+#include "blocks_impl.h"
+#undef BT
+#undef SFX
+
+/* ---- a linear layer of one or more parts --------------------------------------------- */
+
+int zs_linear_quant(int type, const float *x, int64_t M, int64_t K, const uint8_t *w,
+                    int64_t N, const float *bias, float *y, int64_t ldy);
+
+/* A layer's output rows in parts, each of one block type in groups of 8 rows (a fused
+ * layer whose GGUF tensors differ in type, e.g. Q4_K_M's q/k in Q4_K and v in Q6_K, keeps
+ * each in its own): part p gives outputs [the earlier parts' rows, + rows).
+ * models/quant_linear.py fills it (QuantLinear.c_blocks) and decode.c calls through it, so
+ * both take the same kernel for the same M, by one rule: parts with `int8` set (Q4_0, Q4_1,
+ * Q8_0, whose groups are quant.c's layout too) take quant.c's int8 kernel from int8_rows
+ * rows of x on; every other part and M takes blocks.c's float kernel, AVX-512 or AVX2 as
+ * `avx512` says (kernels.available, the one rule for the ISA). */
+#define ZS_MAX_PARTS 3
+typedef struct {
+    int64_t type, int8, rows;
+    const uint8_t *weight;
+} ZsPart;
+
+typedef struct ZsBlocks {
+    int64_t nparts, avx512, int8_rows;
+    ZsPart part[ZS_MAX_PARTS];
+} ZsBlocks;
+
+/* y[M, N] = x[M, K] W^T (+ bias), N the parts' rows in all. Returns 0, or -1 (out of
+ * memory, or a part the kernels do not serve). */
+int zs_linear_parts(const ZsBlocks *L, const float *x, int64_t M, int64_t K,
+                    const float *bias, float *y) {
+    int64_t N = 0, off = 0;
+    for (int64_t p = 0; p < L->nparts; p++) N += L->part[p].rows;
+    for (int64_t p = 0; p < L->nparts; p++) {
+        const ZsPart *q = &L->part[p];
+        const float *b = bias ? bias + off : NULL;
+        int rc;
+        if (q->int8 && M >= L->int8_rows)
+            rc = zs_linear_quant((int)q->type, x, M, K, q->weight, q->rows, b, y + off, N);
+        else if (L->avx512)
+            rc = zs_linear_blocks_avx512((int)q->type, x, M, K, q->weight, q->rows, b, y + off, N);
+        else
+            rc = zs_linear_blocks_avx2((int)q->type, x, M, K, q->weight, q->rows, b, y + off, N);
+        if (rc) return rc;
+        off += q->rows;
+    }
+    return 0;
+}

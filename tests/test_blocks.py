@@ -1,0 +1,211 @@
+"""The float-activation kernel on GGUF's blocks (models/kernels/blocks.c) and the rule that
+picks it (QuantLinear, zs_linear_parts): every block type against the gguf library's
+dequantize-then-matmul, on each ISA this machine has; the 8-row groups every part is kept
+in (regroup) read back as gguf's values; a fused layer of parts in different types; which
+kernel takes which M.
+
+The kernel dequantizes each block to exactly the float32 values gguf.quants.dequantize
+gives and multiplies x as it is, so it may differ from float64 dequantize-then-matmul by
+float32 summation only: for a dot product of K terms accumulated in any order (fused
+multiply-adds, then a sum of the lanes), |error| <= K * u * sum |x_i w_i| with u = 2^-24
+(to first order; the bound below takes 2u). A wrong layout moves outputs by the size of the
+terms themselves, far past that.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from checkpoints.gguf_quants import quantize
+from models import kernels
+from models.quant_linear import (BLOCK_TYPES, INT8_ROWS, INT8_TYPES, QuantLinear, dequantize,
+                                 regroup)
+
+needs_kernels = pytest.mark.skipif(not kernels.avx2_available("cpu"),
+                                   reason="no AVX2/FMA/F16C or no C compiler")
+ISAS = [pytest.param("avx2", id="avx2"),
+        pytest.param("avx512", id="avx512", marks=pytest.mark.skipif(
+            not kernels.available("cpu", torch.float32),
+            reason="this CPU has no AVX-512 (or ZSERVE_CPU_ISA=avx2 asks for AVX2 only)"))]
+
+# The fp16 fields of each block (scales, mins): random bytes elsewhere are all valid codes.
+FP16_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+           "IQ4_NL": (0,), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+           "Q6_K": (208,), "IQ4_XS": (0,)}
+
+
+def random_blocks(rng: np.random.Generator, qtype: str, n: int, k: int) -> np.ndarray:
+    """n rows of random blocks: every bit pattern of the codes, finite small scales."""
+    _, values, size = BLOCK_TYPES[qtype]
+    raw = rng.integers(0, 256, size=(n, k // values, size), dtype=np.uint8)
+    for off in FP16_AT[qtype]:
+        scales = rng.uniform(0.002, 0.05, size=(n, k // values)).astype(np.float16)
+        raw[:, :, off:off + 2] = scales.view(np.uint8).reshape(n, k // values, 2)
+    return raw.reshape(n, -1)
+
+
+def quantized_blocks(rng: np.random.Generator, qtype: str, n: int, k: int) -> np.ndarray:
+    """Weights as a model's are: normal values quantized (checkpoints/gguf_quants.py)."""
+    return quantize(rng.standard_normal((n, k)).astype(np.float32), getattr(gguf.GGMLQuantizationType, qtype))
+
+
+def run_kernel(isa: str, qtype: str, blocks: np.ndarray, x: torch.Tensor, bias=None
+               ) -> torch.Tensor:
+    """blocks.c's kernel of one ISA, called directly on the regrouped blocks (GGUF rows
+    given): y = x W^T (+ bias)."""
+    n = blocks.shape[0]
+    m, k = x.shape
+    w = regroup(qtype, torch.from_numpy(np.ascontiguousarray(blocks)))
+    y = torch.full((m, n), float("nan"))
+    fn = getattr(kernels.library(), f"zs_linear_blocks_{isa}")
+    rc = fn(BLOCK_TYPES[qtype][0], x.data_ptr(), m, k, w.data_ptr(), n,
+            None if bias is None else bias.data_ptr(), y.data_ptr(), n)
+    assert rc == 0
+    return y
+
+
+def assert_within_summation(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias=None):
+    ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    bound = x.shape[1] * 2.0 ** -23 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    err = (y.double() - ref).abs()
+    assert torch.isfinite(y).all()
+    assert (err <= bound).all(), float((err / bound).max())
+    return err, bound
+
+
+SHAPES = [(1, 13, 256), (3, 37, 512), (32, 8, 768), (5, 1, 256)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", sorted(BLOCK_TYPES))
+def test_every_type_equals_dequantize_then_matmul(isa, qtype):
+    """Random codes (every bit pattern) and quantized normal weights, batch 1 to 32, output
+    widths that are not multiples of the 8-row groups, with and without a bias."""
+    rng = np.random.default_rng(sum(map(ord, qtype)))
+    for m, n, k in SHAPES:
+        for make in (random_blocks, quantized_blocks):
+            blocks = make(rng, qtype, n, k)
+            w = dequantize(qtype, torch.from_numpy(blocks), k)
+            x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+            bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+            assert_within_summation(run_kernel(isa, qtype, blocks, x), x, w)
+            assert_within_summation(run_kernel(isa, qtype, blocks, x, bias), x, w, bias)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_wrong_layout_is_caught(isa):
+    """The bound is tight enough to mean something: the same Q4_K blocks read as if their
+    rows were one byte off (the scales of one row, the codes of the next) are far out."""
+    rng = np.random.default_rng(3)
+    blocks = quantized_blocks(rng, "Q4_K", 8, 512)
+    x = torch.from_numpy(rng.standard_normal((1, 512)).astype(np.float32))
+    shifted = np.roll(blocks.reshape(-1), 1).reshape(blocks.shape)
+    w = dequantize("Q4_K", torch.from_numpy(blocks), 512)
+    with pytest.raises(AssertionError):
+        assert_within_summation(run_kernel(isa, "Q4_K", shifted, x), x, w)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", sorted(BLOCK_TYPES))
+def test_rows_of_the_groups_are_gguf_values(isa, qtype):
+    """regroup (quant_linear.py's FIELDS) and blocks.c's ungroup (its FIELDS) agree, and
+    the scalar dequantization is gguf's to the bit: an embedding's row lookup
+    (zs_dequant_rows) on the regrouped table gives gguf.quants.dequantize's rows exactly,
+    the padding rows of the last group never read, an id out of range refused."""
+    rng = np.random.default_rng(7)
+    k = 512
+    for n in (13, 8):
+        blocks = random_blocks(rng, qtype, n, k)
+        table = regroup(qtype, torch.from_numpy(blocks))
+        ids = torch.tensor([n - 1, 0, 3, n - 1], dtype=torch.int64)
+        out = torch.empty(len(ids), k)
+        fn = getattr(kernels.library(), f"zs_dequant_rows_{isa}")
+        assert fn(BLOCK_TYPES[qtype][0], table.data_ptr(), n, k, ids.data_ptr(), len(ids),
+                  out.data_ptr()) == 0
+        assert torch.equal(out, dequantize(qtype, torch.from_numpy(blocks), k)[ids])
+        bad = torch.tensor([0, n], dtype=torch.int64)
+        assert fn(BLOCK_TYPES[qtype][0], table.data_ptr(), n, k, bad.data_ptr(), 2,
+                  out.data_ptr()) == -1
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 32])
+def test_a_fused_layer_of_two_types(m):
+    """q, k, v in Q4_K, Q4_K, Q6_K (Q4_K_M's attention): one QuantLinear of two parts (the
+    two Q4_K merged), its output rows in part order, the bias split with them; each part's
+    rows equal that part alone. Four runs of types are refused (blocks.c takes three)."""
+    rng = np.random.default_rng(m)
+    k, rows = 512, (16, 8, 8, 13)
+    four = ["Q4_K", "Q6_K", "Q4_K", "Q8_0"]           # four runs of one type: too many
+    with pytest.raises(ValueError, match="at most 3 parts"):
+        QuantLinear(four, [torch.from_numpy(quantized_blocks(rng, t, r, k))
+                           for t, r in zip(four, rows)], k)
+    qtypes, rows = ["Q4_K", "Q4_K", "Q6_K"], rows[:3]
+    parts = [quantized_blocks(rng, t, r, k) for t, r in zip(qtypes, rows)]
+    bias = torch.from_numpy(rng.standard_normal(sum(rows)).astype(np.float32))
+    layer = QuantLinear(qtypes, [torch.from_numpy(p) for p in parts], k, bias)
+    assert layer.qtype == "Q4_K+Q6_K" and layer.parts == [("Q4_K", 24), ("Q6_K", 8)]
+    assert sum(b.numel() for b in layer.buffers()) == sum(p.size for p in parts)  # the file's
+    # bytes (the row counts here are multiples of 8: no padding rows)
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    y = layer(x)
+    w = torch.cat([dequantize(t, torch.from_numpy(p), k) for t, p in zip(qtypes, parts)])
+    assert_within_summation(y, x, w, bias)
+    alone = QuantLinear("Q6_K", torch.from_numpy(parts[2]), k, bias[24:].clone())
+    assert torch.equal(y[:, 24:], alone(x))
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", INT8_TYPES)
+def test_int8_from_int8_rows_float_below(qtype):
+    """The rule, with int8_rows = 8: below 8 rows of x, blocks.c (float x: within summation
+    of the dequantized product); from 8 on, quant.c (x rounded to int8: equal to a layer
+    that takes quant.c at every M, and off the float product by more than summation). The
+    default (INT8_ROWS, --int8-activation-rows) takes quant.c at every M."""
+    rng = np.random.default_rng(9)
+    k = 256
+    blocks = torch.from_numpy(random_blocks(rng, qtype, 24, k))
+    w = dequantize(qtype, blocks, k)
+    eight = QuantLinear(qtype, blocks, k, int8_rows=8)
+    always_int8 = QuantLinear(qtype, blocks, k, int8_rows=1)
+    default = QuantLinear(qtype, blocks, k)
+    assert INT8_ROWS == 1
+    for m in (1, 7):
+        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+        assert_within_summation(eight(x), x, w)
+        assert not torch.equal(eight(x), always_int8(x))
+        assert torch.equal(default(x), always_int8(x))
+    x = torch.from_numpy(rng.standard_normal((8, k)).astype(np.float32))
+    assert torch.equal(eight(x), always_int8(x))
+    with pytest.raises(AssertionError):
+        assert_within_summation(eight(x), x, w)
+
+
+@needs_kernels
+def test_k_quant_layer_stays_float_at_every_m():
+    """Types without an int8 kernel stay on blocks.c at any M (a 64-row prefill too)."""
+    rng = np.random.default_rng(11)
+    blocks = torch.from_numpy(quantized_blocks(rng, "Q5_K", 9, 256))
+    x = torch.from_numpy(rng.standard_normal((64, 256)).astype(np.float32))
+    assert_within_summation(QuantLinear("Q5_K", blocks, 256)(x), x,
+                            dequantize("Q5_K", blocks, 256))
+
+
+def test_struct_matches_blocks_c():
+    """QuantLinear's ctypes description has blocks.c's ZsBlocks layout: 3 int64 fields, then
+    MAX_PARTS parts of 3 int64 and a pointer; the fields tables agree in size."""
+    from models.quant_linear import FIELDS, MAX_PARTS, _Blocks, _Part
+    for qtype, fields in FIELDS.items():
+        assert sum(size for _, size in fields) == BLOCK_TYPES[qtype][2]
+        assert all(off == sum(s for _, s in fields[:i]) for i, (off, _) in enumerate(fields))
+    assert ctypes.sizeof(_Part) == 32 and ctypes.sizeof(_Blocks) == 24 + 32 * MAX_PARTS
+    assert "#define ZS_MAX_PARTS 3" in (kernels.HERE / "blocks.c").read_text()
+    assert MAX_PARTS == 3
