@@ -239,10 +239,10 @@ INLINE BT __m256 SFX(f16x8)(const uint8_t *p) {            /* 8 rows' fp16 field
  * transposed, from the block's start: one pointer, constant offsets). A row of x has 8 / mr chains of sums (by position), so that even at mr = 1
  * eight fused multiply-adds are in flight, not one chain waiting on each; group_tile adds
  * a row's chains at the end. */
-#define FMA_ROWS(w, p)                                                                  \
+#define FMA_ROWS(w, p, key)                                                             \
     do {                                                                                \
         const __m256 w_ = (w);                                                          \
-        const int ch_ = 8 / mr, c_ = (p) % ch_;                                         \
+        const int ch_ = 8 / mr, c_ = (key) % ch_;                                       \
         _Pragma("GCC unroll 8") for (int m_ = 0; m_ < mr; m_++)                         \
             acc[m_ * ch_ + c_] = _mm256_fmadd_ps(w_, _mm256_broadcast_ss(xt + (p) * mr + m_), \
                                                  acc[m_ * ch_ + c_]);                   \
@@ -277,7 +277,7 @@ INLINE BT void SFX(block_q4)(const int type, const uint8_t *gb, const int mr,
                     w = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q)), m);
                 else
                     w = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, bias)));
-                FMA_ROWS(w, p)
+                FMA_ROWS(w, p, t + 4 * hi)
             }
     }
 }
@@ -289,7 +289,7 @@ INLINE BT void SFX(block_q8_0)(const uint8_t *gb, const int mr, const float *xt,
         const __m256i v = _mm256_loadu_si256((const __m256i *)(gb + 16 + 32 * c));
         _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
             const __m256i q = _mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * t), 24);
-            FMA_ROWS(_mm256_mul_ps(_mm256_cvtepi32_ps(q), d), 4 * c + t)
+            FMA_ROWS(_mm256_mul_ps(_mm256_cvtepi32_ps(q), d), 4 * c + t, t)
         }
     }
 }
@@ -327,8 +327,8 @@ INLINE BT void SFX(block_k4)(const int q5, const uint8_t *gb, const int mr,
                 hi = _mm256_or_si256(hi, _mm256_slli_epi32(
                     _mm256_and_si256(_mm256_srli_epi32(h, 8 * t + 2 * j + 1), one), 4));
             }
-            FMA_ROWS(_mm256_sub_ps(_mm256_mul_ps(ds0, _mm256_cvtepi32_ps(lo)), dm0), 64 * j + l0 + t)
-            FMA_ROWS(_mm256_sub_ps(_mm256_mul_ps(ds1, _mm256_cvtepi32_ps(hi)), dm1), 64 * j + 32 + l0 + t)
+            FMA_ROWS(_mm256_sub_ps(_mm256_mul_ps(ds0, _mm256_cvtepi32_ps(lo)), dm0), 64 * j + l0 + t, 2 * t)
+            FMA_ROWS(_mm256_sub_ps(_mm256_mul_ps(ds1, _mm256_cvtepi32_ps(hi)), dm1), 64 * j + 32 + l0 + t, 2 * t + 1)
         }
     }
 }
@@ -357,7 +357,7 @@ INLINE BT void SFX(block_q6_k)(const uint8_t *gb, const int mr, const float *xt,
                     const __m256i lo = SFX(nib)(L, 8 * tt + 4 * (t / 2));
                     const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(V, 8 * tt + 2 * t), three);
                     const __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), off);
-                    FMA_ROWS(_mm256_mul_ps(s, _mm256_cvtepi32_ps(q)), 128 * h + 32 * t + 4 * cq + tt)
+                    FMA_ROWS(_mm256_mul_ps(s, _mm256_cvtepi32_ps(q)), 128 * h + 32 * t + 4 * cq + tt, tt + 4 * (t & 1))
                 }
             }
         }
@@ -375,7 +375,8 @@ INLINE BT void SFX(block_any)(int type, const uint8_t *gb, const int mr,
         SFX(deq)(type, blk, row);
         for (int p = 0; p < qb; p++) tmp[p][r] = row[p];
     }
-    for (int p = 0; p < qb; p++) FMA_ROWS(_mm256_loadu_ps(tmp[p]), p)
+    for (int p = 0; p < qb; p += 8)
+        _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) FMA_ROWS(_mm256_loadu_ps(tmp[p + i]), p + i, i)
 }
 
 /* One group of 8 output rows against mr (<= 8, a constant where inlined) rows of x:
