@@ -118,8 +118,9 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.d
 def describe_weights(model: nn.Module) -> dict:
     """What /server_info says of the loaded weights: each linear layer's form (its block
     types, e.g. "Q4_K+Q6_K" for a fused layer kept in two, or the dtype it was dequantized
-    or loaded in) with how many layers have it, the embedding's, and the bytes the model's
-    parameters and buffers hold (a table shared by the embedding and a tied head once)."""
+    or loaded in) with how many layers have it, the embedding's, and the bytes the weights
+    hold: the parameters and the blocks (a table shared by the embedding and a tied head
+    once)."""
     forms: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, QuantLinear):
@@ -129,8 +130,10 @@ def describe_weights(model: nn.Module) -> dict:
         else:
             continue
         forms[form] = forms.get(form, 0) + 1
+    blocks = [b for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))
+              for b in m.buffers(recurse=False)]
     held = {}
-    for t in (*model.parameters(), *model.buffers()):
+    for t in (*model.parameters(), *blocks):             # not the RoPE table (a buffer too)
         try:                            # a tied head shares the embedding: counted once
             held[t.data_ptr()] = t.numel() * t.element_size()
         except RuntimeError:            # a layout with no plain storage (oneDNN's)

@@ -501,3 +501,27 @@ def test_server_serves_gguf_blocks(tiny_file, tmp_path):
         out = s.generate_ok(input_ids=prompt, sampling_params={
             "max_new_tokens": 16, "temperature": 0, "ignore_eos": True})
     assert out["output_ids"] == expected
+
+
+@needs_kernels
+@pytest.mark.e2e
+def test_server_serves_a_q4_k_m_file_in_its_blocks(k_file, tmp_path):
+    """A Q4_K_M file served with the default flags: /server_info's `weights` lists every
+    linear layer in its blocks (the fused q/k/v in two types) and the embedding's, at the
+    file's bytes; greedy ids equal the in-process native model's."""
+    path = k_file("Q4_K_M")
+    native = load_model(path, torch.float32, "cpu", quantization="gguf")
+    prompt = IDS[:8].tolist()
+    expected, _ = our_greedy_with_margins(native, prompt, 16)
+    with serving(path, tmpdir=tmp_path) as s:
+        weights = s.server_info()["weights"]
+        out = s.generate_ok(input_ids=prompt, sampling_params={
+            "max_new_tokens": 16, "temperature": 0, "ignore_eos": True})
+    n = native.config.num_layers
+    assert set(weights["linear_layers"]) == {"Q4_K", "Q4_K+Q6_K", "Q6_K"}
+    assert sum(weights["linear_layers"].values()) == 4 * n + 1
+    assert weights["embedding"] == "Q4_K"
+    from models import gguf as zgguf
+    in_file = sum(info.nbytes for info in zgguf.read_header(path).tensors.values())
+    assert in_file <= weights["bytes"] < 1.1 * in_file       # the file's tensors, + padding
+    assert out["output_ids"] == expected
