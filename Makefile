@@ -41,9 +41,10 @@ AVX512_IN_USE := import sys, torch; from models import kernels; \
 	sys.exit(not kernels.available("cpu", torch.float32))
 # The kernel unit test files on the AVX2 kernels (ZSERVE_CPU_ISA=avx2, wire/cpu.py); not
 # their end-to-end or minutes-long real-model (smollm2) tests, nor test_quant.py: quant.c
-# has one version (AVX2), which the first run tests already.
+# has one version (AVX2), which the first run tests already. test_blocks.py calls both of
+# blocks.c's builds by name; its QuantLinear tests take the chosen one, so it runs again.
 KERNEL_TESTS := tests/test_kernels_build.py tests/test_ops.py tests/test_decode_attention.py \
-	tests/test_fast_decode.py tests/test_gguf.py
+	tests/test_fast_decode.py tests/test_gguf.py tests/test_blocks.py
 AVX2_RUN := echo "kernel tests again, on the AVX2 kernels (ZSERVE_CPU_ISA=avx2):"; \
 	ZSERVE_CPU_ISA=avx2 $(PYTEST) -m "not e2e and not slow and not cuda" -k "not smollm2" \
 	$(KERNEL_TESTS)
