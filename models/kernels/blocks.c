@@ -2,26 +2,25 @@
  * (+ bias), x and y float32, W in any of GGUF's block types that zserve serves:
  *   blocks of 32:  Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL
  *   blocks of 256: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS
- * read as the file stores them (a row is K / block values blocks), or for Q4_0, Q4_1 and
- * Q8_0 in quant.c's groups of 8 rows (the layout its int8 kernel reads; one copy serves
- * both kernels).
+ * in groups of 8 output rows (models/quant_linear.py: regroup; blocks_impl.h says the
+ * layout; for Q4_0, Q4_1 and Q8_0 it is quant.c's, so one copy serves both kernels).
  *
- * Each block is dequantized in the kernel, bit for bit as gguf-py's dequantize_blocks
- * computes it (blocks_impl.h names the layouts), and multiplied with x as it is: no
- * rounding of the activations, so a layer's output differs from dequantize-then-matmul by
- * float32 summation order only. That is what makes it the default at small batches
- * (models/quant_linear.py says where): a decode step at batch 1 is bound by reading the
- * weights, which stay in their blocks; the arithmetic per weight is a few integer
- * operations and one fused multiply-add.
+ * Each block is dequantized in registers, bit for bit as gguf-py's dequantize_blocks
+ * computes it (the same float operations in the same order), and multiplied with x as it
+ * is: no rounding of the activations, so a layer's output differs from
+ * dequantize-then-matmul by float32 summation order only. A weight's 8 rows come out in
+ * the 8 lanes of one vector and one broadcast of x serves them; Q4_0..Q5_1, Q8_0, Q4_K,
+ * Q5_K and Q6_K have such a vectorized path, the others go through the scalar dequantizers
+ * (correct, and several times slower: the loader dequantizes those types instead).
  *
- * Loop order: threads split the output rows in groups of 8; a thread dequantizes its group
- * into a scratch buffer once (8 x K floats: in L1/L2), then runs every row of x against
- * it, 8 outputs at once. At M = 1 each weight is read from memory once; at larger M the
- * dequantization is shared by the M rows.
+ * Loop order: threads split the groups; each takes the rows of x in tiles of 8 (then 4,
+ * 2, 1), transposed once per call so that a tile's x values for a position are adjacent.
+ * At M = 1 each weight is read from memory once, with 8 chains of sums in flight.
  *
- * Two versions of the same code (blocks_impl.h, included twice): AVX2 + FMA + F16C (8
- * lanes) and AVX-512 F/BW/VL (16 lanes), chosen as every other kernel is
- * (models/kernels/__init__.py: blocks_function).
+ * Two builds of the same code (blocks_impl.h, included twice): AVX2 + FMA + F16C and
+ * AVX-512 F/BW/VL (the same 8-lane algorithm in AVX-512's encodings: no 16-lane or VNNI
+ * version yet), chosen by kernels.available, the rule every kernel follows (QuantLinear
+ * writes the choice into the layer's ZsBlocks).
  */
 #include <immintrin.h>
 #include <stdint.h>
