@@ -268,11 +268,11 @@ def test_q4_native_argmaxes_agree_with_dequantized(tiny_file, family, qtype):
 
 
 # K-quant files as llama-quantize mixes them: Q4_K_M keeps attn_v and ffn_down (and the
-# output) in Q6_K, the rest in Q4_K; Q6_K is one type throughout. Widths of 256 (the
+# output) in Q6_K, the rest in Q4_K; Q6_K and IQ4_XS are one type throughout. Widths of 256 (the
 # K-quants' blocks), the weights quantized by checkpoints/gguf_quants.py.
 K_MIXES = {"Q4_K_M": (T.Q4_K, {"attn_v.weight": T.Q6_K, "ffn_down.weight": T.Q6_K,
                                "output.weight": T.Q6_K}),
-           "Q6_K": (T.Q6_K, {})}
+           "Q6_K": (T.Q6_K, {}), "IQ4_XS": (T.IQ4_XS, {})}
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +295,7 @@ def k_file(tmp_path_factory):
 @needs_kernels
 @pytest.mark.parametrize("mix", sorted(K_MIXES))
 def test_k_quant_file_served_in_its_blocks(k_file, mix, caplog):
-    """Every linear layer of a Q4_K_M / Q6_K file stays in its blocks (the fused q/k/v of
+    """Every linear layer of a Q4_K_M / Q6_K / IQ4_XS file stays in its blocks (the fused q/k/v of
     Q4_K_M in two parts, Q4_K and Q6_K), the weights hold the file's bytes, and the model
     agrees with the dequantized one: teacher-forced argmaxes (float activations: the same
     up to float summation, so all but near ties) and greedy ids through near ties."""
@@ -305,7 +305,7 @@ def test_k_quant_file_served_in_its_blocks(k_file, mix, caplog):
     n = native.config.num_layers
     assert f"{4 * n + 1} of {4 * n + 1} linear layers kept in their blocks" in caplog.text
     layers = {m.qtype for m in native.modules() if isinstance(m, QuantLinear)}
-    assert layers == ({"Q4_K", "Q4_K+Q6_K", "Q6_K"} if mix == "Q4_K_M" else {"Q6_K"})
+    assert layers == ({"Q4_K", "Q4_K+Q6_K", "Q6_K"} if mix == "Q4_K_M" else {mix})
     from models import describe_weights
     from models import gguf as zgguf
     header = zgguf.read_header(path)

@@ -101,7 +101,7 @@ class ServerArgs:
     quantization: str = _opt("auto", "Weights kept quantized in memory (CPU, one rank): "
                              "gguf serves a GGUF file's linear layers in their own blocks "
                              "where their type has a kernel (Q4_0 to Q8_0, Q4_K, Q5_K, "
-                             "Q6_K); int8 quantizes a float checkpoint's linear layers "
+                             "Q6_K, IQ4_NL, IQ4_XS); int8 quantizes a float checkpoint's linear layers "
                              "to Q8_0 at load; none dequantizes to --dtype. auto: gguf for "
                              "a GGUF file where the CPU has AVX2, else none.",
                              choices=["auto", *QUANTIZATIONS])

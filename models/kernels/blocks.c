@@ -9,8 +9,8 @@
  * computes it (the same float operations in the same order), and multiplied with x as it
  * is: no rounding of the activations, so a layer's output differs from
  * dequantize-then-matmul by float32 summation order only. A weight's 8 rows come out in
- * the 8 lanes of one vector and one broadcast of x serves them; Q4_0..Q5_1, Q8_0, Q4_K,
- * Q5_K and Q6_K have such a vectorized path, the others go through the scalar dequantizers
+ * the 8 lanes of one vector and one broadcast of x serves them; every type but Q2_K and
+ * Q3_K has such a vectorized path, those two go through the scalar dequantizers
  * (correct, and several times slower: the loader dequantizes those types instead).
  *
  * Loop order: threads split the groups; each takes the rows of x in tiles of 8 (then 4,

@@ -363,6 +363,58 @@ INLINE BT void SFX(block_q6_k)(const uint8_t *gb, const int mr, const float *xt,
         }
 }
 
+/* IQ4_NL and IQ4_XS: a nibble q stands for KVALUES[q] (a byte shuffle looks it up in
+ * every lane). IQ4_NL: d (16 bytes), qs (4 units), Q4_0's positions. IQ4_XS: d, scales_h
+ * (16 bytes: a row's uint16 each), scales_l (one unit), qs (32 units) at 64; sub-block i's
+ * value 16s + l is nibble s of qs byte 16i + l. */
+INLINE BT __m256i SFX(kvalue)(__m256i q) {
+    const __m256i table = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10,
+                                           1, 13, 25, 38, 53, 69, 89, 113,
+                                           -127, -104, -83, -65, -49, -35, -22, -10,
+                                           1, 13, 25, 38, 53, 69, 89, 113);
+    /* the index in each lane's low byte; 0x80 zeroes the other three */
+    const __m256i v = _mm256_shuffle_epi8(table, _mm256_or_si256(q, _mm256_set1_epi32((int)0x80808000u)));
+    return _mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24);
+}
+
+INLINE BT void SFX(block_iq4_nl)(const uint8_t *gb, const int mr, const float *xt,
+                                 __m256 *acc) {
+    const __m256 d = SFX(f16x8)(gb);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(gb + 16 + 32 * c));
+        _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++)
+            _Pragma("GCC unroll 2") for (int hi = 0; hi < 2; hi++) {
+                const __m256i k = SFX(kvalue)(SFX(nib)(v, 8 * t + 4 * hi));
+                FMA_ROWS(_mm256_mul_ps(d, _mm256_cvtepi32_ps(k)), 4 * c + t + 16 * hi, t + 4 * hi)
+            }
+    }
+}
+
+INLINE BT void SFX(block_iq4_xs)(const uint8_t *gb, const int mr, const float *xt,
+                                 __m256 *acc) {
+    float d[8], dl[8][8];
+    _mm256_storeu_ps(d, SFX(f16x8)(gb));
+    for (int r = 0; r < 8; r++) {
+        uint16_t sh;
+        memcpy(&sh, gb + 16 + 2 * r, 2);
+        const uint8_t *sl = gb + 32 + 4 * r;
+        for (int i = 0; i < 8; i++) {
+            const int sc = (((sl[i >> 1] >> (4 * (i & 1))) & 15) | ((sh >> (2 * i)) & 3) << 4) - 32;
+            dl[i][r] = d[r] * (float)sc;
+        }
+    }
+    for (int c = 0; c < 32; c++) {                  /* qs bytes 4c..4c+3: sub-block c / 4 */
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(gb + 64 + 32 * c));
+        const int i = c / 4, l0 = 4 * (c % 4);
+        const __m256 s = _mm256_loadu_ps(dl[i]);
+        _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++)
+            _Pragma("GCC unroll 2") for (int hi = 0; hi < 2; hi++) {
+                const __m256i k = SFX(kvalue)(SFX(nib)(v, 8 * t + 4 * hi));
+                FMA_ROWS(_mm256_mul_ps(s, _mm256_cvtepi32_ps(k)), 32 * i + 16 * hi + l0 + t, t + 4 * hi)
+            }
+    }
+}
+
 /* Any type: each row's block dequantized by the scalar code, then taken position by
  * position (tmp[p][r]). */
 INLINE BT void SFX(block_any)(int type, const uint8_t *gb, const int mr,
@@ -398,6 +450,8 @@ INLINE BT void SFX(group_tile)(int type, const uint8_t *g, int64_t nb, int64_t b
             case GGML_Q4_K: SFX(block_k4)(0, gb, mr, xt, acc); break;
             case GGML_Q5_K: SFX(block_k4)(1, gb, mr, xt, acc); break;
             case GGML_Q6_K: SFX(block_q6_k)(gb, mr, xt, acc); break;
+            case GGML_IQ4_NL: SFX(block_iq4_nl)(gb, mr, xt, acc); break;
+            case GGML_IQ4_XS: SFX(block_iq4_xs)(gb, mr, xt, acc); break;
             default: SFX(block_any)(type, gb, mr, xt, acc); break;
         }
     }
