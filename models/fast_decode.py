@@ -71,8 +71,7 @@ class FastDecode:
     @classmethod
     def of(cls, model) -> "FastDecode | None":
         """For a loaded CausalLM; None where the fast path does not apply (module doc)."""
-        from .ops import decode_kernel_fits
-        from .ops import _kernels_for
+        from .ops import _kernels_for, decode_kernel_fits
 
         c = model.config
         dtype = model.norm.weight.dtype          # the model's (the embedding may be blocks)

@@ -508,7 +508,7 @@ def native_linears(header: GGUFHeader, config) -> dict[str, tuple[list[str], lis
     weights as the file's own blocks, each uint8 [rows, bytes per row], the GGUF tensors
     read), in the parameter's row order, for each linear layer linear_types keeps; the
     others are dequantized as usual. llama's q/k rows are un-permuted. A tied LM head takes
-    token_embd's blocks (the embedding itself is still dequantized for its lookups)."""
+    token_embd's blocks (loader.py then reads the embedding's lookups from the head's)."""
     unpermute = _permuted_heads(config)
     parts = _linear_parts(config)
     found = {}

@@ -16,10 +16,11 @@ The vocabulary block's padding rows (last rank) are zero.
 
 Quantization (--quantization; one rank, CPU with kernels.avx2_available): "gguf" keeps a
 GGUF file's linear layers in their blocks wherever every part is of a type it keeps
-(quant_linear.py: KEPT_TYPES, Q4_K, Q5_K and Q6_K among them; the parts of a fused layer
-may differ in type; they are never dequantized, their parameters never allocated); "int8" quantizes a float
-checkpoint's linear layers to Q8_0 blocks once loaded; "none" dequantizes (or keeps) floats.
-Embeddings, norms and any linear layer of another type stay in the dtype.
+(quant_linear.py: KEPT_TYPES; the parts of a fused layer may differ in type), and its
+embedding too when that is of such a type (QuantEmbedding): they are never dequantized,
+their parameters never allocated. "int8" quantizes a float checkpoint's linear layers to
+Q8_0 blocks once loaded; "none" dequantizes (or keeps) floats. Norms, and any layer of
+another type, stay in the dtype.
 """
 
 from __future__ import annotations
@@ -121,15 +122,14 @@ def describe_weights(model: nn.Module) -> dict:
     or loaded in) with how many layers have it, the embedding's, and the bytes the weights
     hold: the parameters and the blocks (a table shared by the embedding and a tied head
     once)."""
+    def form(module) -> str:             # block types, or the dtype
+        return (module.qtype if isinstance(module, (QuantLinear, QuantEmbedding))
+                else str(module.weight.dtype).removeprefix("torch."))
+
     forms: dict[str, int] = {}
     for module in model.modules():
-        if isinstance(module, QuantLinear):
-            form = module.qtype
-        elif isinstance(module, (nn.Linear, CpuLinear, PackedLinear)):
-            form = str(module.weight.dtype).removeprefix("torch.")
-        else:
-            continue
-        forms[form] = forms.get(form, 0) + 1
+        if isinstance(module, (QuantLinear, nn.Linear, CpuLinear, PackedLinear)):
+            forms[form(module)] = forms.get(form(module), 0) + 1
     blocks = [b for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))
               for b in m.buffers(recurse=False)]
     held = {}
@@ -138,10 +138,7 @@ def describe_weights(model: nn.Module) -> dict:
             held[t.data_ptr()] = t.numel() * t.element_size()
         except RuntimeError:            # a layout with no plain storage (oneDNN's)
             held[id(t)] = t.numel() * t.element_size()
-    embed = model.embed_tokens
-    return {"linear_layers": dict(sorted(forms.items())),
-            "embedding": (embed.qtype if isinstance(embed, QuantEmbedding)
-                          else str(embed.weight.dtype).removeprefix("torch.")),
+    return {"linear_layers": dict(sorted(forms.items())), "embedding": form(model.embed_tokens),
             "bytes": sum(held.values())}
 
 
@@ -176,7 +173,8 @@ def _keep_gguf_blocks(model: CausalLM, header, dtype: torch.dtype,
                              f"{[header.tensors[key].shape for key in keys]}, expected "
                              f"{out_features} rows of {in_features} in all for {name}")
         bias = None if old is None or old.bias is None else old.bias      # still on meta
-        quant = QuantLinear(qtypes, [torch.from_numpy(np.array(b)) for b in blocks],  # copies
+        # np.array: a writable copy of the mapped file's read-only bytes, for torch
+        quant = QuantLinear(qtypes, [torch.from_numpy(np.array(b)) for b in blocks],
                             in_features, bias, int8_rows)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, quant)

@@ -21,7 +21,7 @@ decode.c alike):
   Q8_0 / Q4_0 / Q4_1 parts in steps of at least `int8_rows` rows (--int8-activation-rows,
   default INT8_ROWS = 1: every step, llama.cpp's arithmetic). Its integer dot products are
   several times cheaper per weight than blocks.c's float ones today (one core, batch 1:
-  0.07 against 0.36 ns a Q4_1 weight), so exactness on these types is a choice, not yet
+  0.07 against 0.33 ns a Q4_1 weight), so exactness on these types is a choice, not yet
   the default.
 Every part is kept regrouped 8 output rows at a time (`regroup`: the file's bytes, reordered
 so that each weight's 8 rows load into the 8 lanes of one vector); for those three types

@@ -96,6 +96,34 @@ static inline const Fields *fields_of(int type) {
     }
 }
 
+/* Rows of x taken together: 8, then 4, 2, 1 for what is left. */
+static inline int tile_rows(int64_t left) {
+    return left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+}
+
+static __thread float *tiles;               /* x_tiles' buffer: only grows */
+static __thread size_t tiles_size;
+
+/* x [M, K] as its tiles of tile_rows rows, each transposed to [K][rows] (so that a tile's
+ * values for one position are adjacent: blocks_impl.h's FMA_ROWS reads them so), in a
+ * per-thread buffer; x itself when M = 1 (a tile of one row is the row). NULL: no memory. */
+static const float *x_tiles(const float *x, int64_t M, int64_t K) {
+    if (M <= 1) return x;
+    const size_t need = (size_t)(M * K) * sizeof(float);
+    if (need > tiles_size) {
+        float *grown = realloc(tiles, need);
+        if (grown == NULL) return NULL;
+        tiles = grown, tiles_size = need;
+    }
+    for (int64_t m0 = 0; m0 < M;) {
+        const int64_t mr = tile_rows(M - m0);
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t m = 0; m < mr; m++) tiles[m0 * K + k * mr + m] = x[(m0 + m) * K + k];
+        m0 += mr;
+    }
+    return tiles;
+}
+
 /* AVX2 + FMA + F16C */
 #define BT __attribute__((target("avx2,fma,f16c")))
 #define SFX(name) name##_avx2
@@ -141,17 +169,21 @@ int zs_linear_parts(const ZsBlocks *L, const float *x, int64_t M, int64_t K,
                     const float *bias, float *y) {
     int64_t N = 0, off = 0;
     for (int64_t p = 0; p < L->nparts; p++) N += L->part[p].rows;
+    const float *xs = NULL;                 /* x's tiles, made once for every float part */
     for (int64_t p = 0; p < L->nparts; p++) {
         const ZsPart *q = &L->part[p];
         const float *b = bias ? bias + off : NULL;
-        int rc;
-        if (q->int8 && M >= L->int8_rows)
-            rc = zs_linear_quant((int)q->type, x, M, K, q->weight, q->rows, b, y + off, N);
-        else if (L->avx512)
-            rc = zs_linear_blocks_avx512((int)q->type, x, M, K, q->weight, q->rows, b, y + off, N);
-        else
-            rc = zs_linear_blocks_avx2((int)q->type, x, M, K, q->weight, q->rows, b, y + off, N);
-        if (rc) return rc;
+        if (q->int8 && M >= L->int8_rows) {
+            if (zs_linear_quant((int)q->type, x, M, K, q->weight, q->rows, b, y + off, N))
+                return -1;
+        } else {
+            if (block_bytes((int)q->type) == 0 || K % block_values((int)q->type)) return -1;
+            if (xs == NULL && (xs = x_tiles(x, M, K)) == NULL) return -1;
+            if (L->avx512)
+                linear_tiles_avx512((int)q->type, xs, M, K, q->weight, q->rows, b, y + off, N);
+            else
+                linear_tiles_avx2((int)q->type, xs, M, K, q->weight, q->rows, b, y + off, N);
+        }
         off += q->rows;
     }
     return 0;

@@ -463,37 +463,21 @@ INLINE BT void SFX(group_tile)(int type, const uint8_t *g, int64_t nb, int64_t b
     }
 }
 
-/* y[m * ldy + n] = x[m] . W[n] (+ bias[n]) for m < M, n < N; x float32 [M, K] (rows K
- * apart), W's N rows as `type` blocks in groups of 8 (above). Threads split the groups;
- * each takes the rows of x 8 at a time (then 4, 2, 1), every weight dequantized once per
- * tile in registers. Returns 0, or -1 if the type is not served. */
-BT int SFX(zs_linear_blocks)(int type, const float *x, int64_t M, int64_t K,
-                             const uint8_t *w, int64_t N, const float *bias, float *y,
-                             int64_t ldy) {
-    if (block_bytes(type) == 0 || K % block_values(type)) return -1;
+/* y[m * ldy + n] = x[m] . W[n] (+ bias[n]) for m < M, n < N, with x given as its tiles
+ * (blocks.c: x_tiles) and W's N rows as `type` blocks in groups of 8 (above). Threads split
+ * the groups; each takes the tiles of x in turn, every weight dequantized once per tile in
+ * registers. */
+static BT void SFX(linear_tiles)(int type, const float *xs, int64_t M, int64_t K,
+                                  const uint8_t *w, int64_t N, const float *bias, float *y,
+                                  int64_t ldy) {
     const int64_t qb = block_values(type), bs = block_bytes(type), nb = K / qb;
     const int64_t groups = (N + 7) / 8;
-    /* x in tiles of mr rows (8, then 4, 2, 1), each transposed to [K][mr] (a tile of one
-     * row is x's row itself). */
-    float *xt = NULL;
-    if (M > 1) {
-        xt = malloc((size_t)(M * K) * sizeof(float));
-        if (xt == NULL) return -1;
-        for (int64_t m0 = 0; m0 < M;) {
-            const int64_t left = M - m0, mr = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-            for (int64_t k = 0; k < K; k++)
-                for (int64_t m = 0; m < mr; m++) xt[m0 * K + k * mr + m] = x[(m0 + m) * K + k];
-            m0 += mr;
-        }
-    }
-    const float *xs = xt ? xt : x;
 #pragma omp parallel for schedule(static)
     for (int64_t gi = 0; gi < groups; gi++) {
         const uint8_t *g = w + gi * nb * 8 * bs;
         const int64_t n0 = gi * 8, nn = N - n0 < 8 ? N - n0 : 8;
         for (int64_t m0 = 0; m0 < M;) {
-            const int64_t left = M - m0;
-            const int mr = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+            const int mr = tile_rows(M - m0);
             float out[8][8];
             const float *tile = xs + m0 * K;
             if (mr == 8) SFX(group_tile)(type, g, nb, bs, qb, tile, 8, out);
@@ -507,7 +491,17 @@ BT int SFX(zs_linear_blocks)(int type, const float *x, int64_t M, int64_t K,
             m0 += mr;
         }
     }
-    free(xt);
+}
+
+/* The same on x float32 [M, K] itself (rows K apart). Returns 0, or -1 if the type is not
+ * served or there is no memory for x's tiles. */
+BT int SFX(zs_linear_blocks)(int type, const float *x, int64_t M, int64_t K,
+                             const uint8_t *w, int64_t N, const float *bias, float *y,
+                             int64_t ldy) {
+    if (block_bytes(type) == 0 || K % block_values(type)) return -1;
+    const float *xs = x_tiles(x, M, K);
+    if (xs == NULL) return -1;
+    SFX(linear_tiles)(type, xs, M, K, w, N, bias, y, ldy);
     return 0;
 }
 
