@@ -45,7 +45,7 @@ from .cpu_linear import CpuLinear
 from .fast_decode import FastDecode
 from .packed import PackedLinear, can_pack
 from .quant_linear import KEPT_TYPES, QuantEmbedding, QuantLinear, quantize_q8_0
-from wire.server_args import INT8_ROWS, QUANTIZATIONS, quantization_refusal
+from wire.server_args import INT8_BATCH, QUANTIZATIONS, quantization_refusal
 from .tp import VOCAB_PARTS, Selection, Shard
 
 log = logging.getLogger(__name__)
@@ -63,14 +63,14 @@ Target = tuple[str, slice, Selection | None]
 
 def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.device,
                pack: bool | None = None, tp=SOLO, quantization: str = "none",
-               int8_rows: int = INT8_ROWS) -> CausalLM:
+               int8_batch: int = INT8_BATCH) -> CausalLM:
     """model_path: an HF directory (config.json + *.safetensors), a .gguf file, a directory
     holding exactly one .gguf (and no config.json), or a GGUF sidecar directory.
     pack: lay the linear weights out for a CPU kernel (cpu_linear.py, else oneDNN's:
     packed.py); None: wherever one is available; False: keep plain nn.Linear.
     tp: the tensor-parallel group (models/distributed.py): load only this rank's share.
-    quantization: one of QUANTIZATIONS (module docstring). int8_rows: where Q8_0 / Q4_0 /
-    Q4_1 layers round activations to int8 (--int8-activation-rows; quant_linear.py)."""
+    quantization: one of QUANTIZATIONS (module docstring). int8_batch: where Q8_0 / Q4_0 /
+    Q4_1 layers round activations to int8 (--int8-activation-batch; quant_linear.py)."""
     from . import gguf
 
     gguf_path = gguf.find_gguf(model_path)
@@ -84,7 +84,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.d
         config = ModelConfig.from_dir(model_path)
     with torch.device("meta"), _skip_init():
         model = CausalLM(config, tp)
-    native = (_keep_gguf_blocks(model, header, dtype, int8_rows) if quantization == "gguf"
+    native = (_keep_gguf_blocks(model, header, dtype, int8_batch) if quantization == "gguf"
               else frozenset())
     params = {name: torch.empty(p.shape, dtype=dtype, device=device)
               for name, p in model.named_parameters()}
@@ -105,7 +105,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.d
     if pack and layer is None:
         raise ValueError(f"no packed CPU linear layer for {dtype} on {device}")
     if quantization == "int8":
-        layer = functools.partial(_quantize_int8, fallback=layer, int8_rows=int8_rows)
+        layer = functools.partial(_quantize_int8, fallback=layer, int8_batch=int8_batch)
     if layer is not None:
         if model.lm_head is None:           # tied: the head gets its own (packed) copy
             rows, hidden = model.embed_tokens.weight.shape     # this rank's vocabulary block
@@ -155,7 +155,7 @@ def _check_quantization(quantization: str, is_gguf: bool, device: torch.device, 
 
 
 def _keep_gguf_blocks(model: CausalLM, header, dtype: torch.dtype,
-                      int8_rows: int) -> frozenset[str]:
+                      int8_batch: int) -> frozenset[str]:
     """Swap every linear layer that the file stores in a native block type for a QuantLinear
     holding those blocks (on the model still on `meta`: its parameters are not allocated);
     returns the GGUF tensors so consumed. The embedding, in a block type, becomes a
@@ -175,7 +175,7 @@ def _keep_gguf_blocks(model: CausalLM, header, dtype: torch.dtype,
         bias = None if old is None or old.bias is None else old.bias      # still on meta
         # np.array: a writable copy of the mapped file's read-only bytes, for torch
         quant = QuantLinear(qtypes, [torch.from_numpy(np.array(b)) for b in blocks],
-                            in_features, bias, int8_rows)
+                            in_features, bias, int8_batch)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, quant)
         kept[quant.qtype] = kept.get(quant.qtype, 0) + 1
@@ -207,14 +207,14 @@ def _keep_gguf_blocks(model: CausalLM, header, dtype: torch.dtype,
 
 
 def _quantize_int8(weight: torch.Tensor, bias: torch.Tensor | None,
-                   fallback: type[nn.Module] | None, int8_rows: int) -> nn.Module | None:
+                   fallback: type[nn.Module] | None, int8_batch: int) -> nn.Module | None:
     """--quantization int8: a loaded float linear layer as Q8_0 blocks (one scale per 32
     weights). A layer whose input width is not a multiple of 32 gets `fallback` (the float
     layer it would have had), or stays as it is (None)."""
     if weight.shape[1] % 32:
         return fallback(weight, bias) if fallback is not None else None
     return QuantLinear("Q8_0", quantize_q8_0(weight), weight.shape[1],
-                       None if bias is None else bias.detach(), int8_rows)
+                       None if bias is None else bias.detach(), int8_batch)
 
 
 @contextlib.contextmanager

@@ -13,16 +13,20 @@ zs_linear_parts), so its memory is the file's.
 
 Which kernel multiplies (one rule, in blocks.c's zs_linear_parts, for this module and for
 decode.c alike):
-- blocks.c, float activations: each block dequantized in registers, bit for bit as
-  gguf.quants.dequantize gives it, times x as it is. The output differs from
-  dequantize-then-matmul by float32 summation order only, so greedy output is the
-  dequantized model's. Every type at every M, except:
+- blocks.c, float activations: x times the weights as they are, each block dequantized in
+  registers (a row of x alone: each sub-block's scale applied to its sum, blocks.c's
+  header). The output is the dequantized layer's up to float32 rounding, so greedy output
+  is the dequantized model's. Every type at every M, except:
 - quant.c, x rounded to int8 per block of 32 (relative ~1e-3 of a typical output), for
-  Q8_0 / Q4_0 / Q4_1 parts in steps of at least `int8_rows` rows (--int8-activation-rows,
-  default INT8_ROWS = 1: every step, llama.cpp's arithmetic). Its integer dot products are
-  several times cheaper per weight than blocks.c's float ones today (one core, batch 1:
-  0.07 against 0.33 ns a Q4_1 weight), so exactness on these types is a choice, not yet
-  the default.
+  Q8_0 / Q4_0 / Q4_1 parts in model steps that run at least `int8_batch` requests together
+  (--int8-activation-batch, default INT8_BATCH = 32: large batches, llama.cpp's
+  arithmetic). The batch is the step's number of requests (`step_batch`, which the
+  scheduler's runner sets around each step; M rows of x for a call outside a step), so a
+  request served alone, or with a few others, is the dequantized model's whatever its
+  prompt's length: a 37-token chat prompt prefilled in int8 and decoded in float turned
+  the default model's "Paris" into a list of French words. quant.c's integer multiply-adds
+  take four pairs a lane where float takes one: on AVX2 about twice as fast a row from 8
+  rows of x on, and 1.3x at one row (0.036 against 0.046 ns a Q4_1 weight, two cores).
 Every part is kept regrouped 8 output rows at a time (`regroup`: the file's bytes, reordered
 so that each weight's 8 rows load into the 8 lanes of one vector); for those three types
 that is quant.c's layout, so one copy serves both kernels.
@@ -40,8 +44,10 @@ import numpy as np
 import torch
 from torch import nn
 
+import contextlib
+
 from models import kernels
-from wire.server_args import INT8_ROWS   # rows of x from which INT8_TYPES take quant.c
+from wire.server_args import INT8_BATCH   # the batch from which INT8_TYPES take quant.c
 
 # ggml type name -> (gguf.GGMLQuantizationType value, weights per block, bytes per block)
 BLOCK_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
@@ -113,6 +119,21 @@ def dequantize(qtype: str, blocks: torch.Tensor, in_features: int) -> torch.Tens
     return torch.from_numpy(np.ascontiguousarray(out)).reshape(-1, in_features)
 
 
+@contextlib.contextmanager
+def step_batch(requests: int):
+    """Inside, the kernel rule (module doc) takes `requests` (a model step's) as the batch
+    of every quantized layer called, instead of its rows of x."""
+    lib = kernels.library()
+    if lib is None:
+        yield
+        return
+    lib.zs_set_step_batch(requests)
+    try:
+        yield
+    finally:
+        lib.zs_set_step_batch(0)
+
+
 class _Part(ctypes.Structure):            # blocks.c: ZsPart
     _fields_ = [("type", ctypes.c_int64), ("int8", ctypes.c_int64),
                 ("rows", ctypes.c_int64), ("weight", ctypes.c_void_p)]
@@ -120,7 +141,7 @@ class _Part(ctypes.Structure):            # blocks.c: ZsPart
 
 class _Blocks(ctypes.Structure):          # blocks.c: ZsBlocks
     _fields_ = [("nparts", ctypes.c_int64), ("avx512", ctypes.c_int64),
-                ("int8_rows", ctypes.c_int64), ("part", _Part * MAX_PARTS)]
+                ("int8_batch", ctypes.c_int64), ("part", _Part * MAX_PARTS)]
 
 
 def _merged(qtypes: Sequence[str], blocks: Sequence[torch.Tensor]):
@@ -138,13 +159,13 @@ class QuantLinear(nn.Module):
     """y = x W^T + b with W as GGUF blocks: `qtype` and `blocks` (uint8 [rows, bytes per
     row], the file's rows) for one part, or sequences of them for the parts of a fused
     layer, in output row order. The blocks are non-persistent buffers (the state dict holds
-    only the bias, which the loader fills like any other parameter). int8_rows: the rule's
-    threshold (module doc); 1 takes quant.c at every M, a huge value never (for tests and
+    only the bias, which the loader fills like any other parameter). int8_batch: the rule's
+    threshold (module doc); 1 takes quant.c always, a huge value never (for tests and
     comparisons)."""
 
     def __init__(self, qtype: str | Sequence[str], blocks: torch.Tensor | Sequence[torch.Tensor],
                  in_features: int, bias: torch.Tensor | None = None,
-                 int8_rows: int = INT8_ROWS):
+                 int8_batch: int = INT8_BATCH):
         super().__init__()
         qtypes = [qtype] if isinstance(qtype, str) else list(qtype)
         blocks = [blocks] if isinstance(blocks, torch.Tensor) else list(blocks)
@@ -165,7 +186,7 @@ class QuantLinear(nn.Module):
             self.register_buffer(f"blocks_{i}", regroup(t, b), persistent=False)
             self.parts.append((t, b.shape[0]))
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.int8_rows = int8_rows
+        self.int8_batch = int8_batch
         self._kernel = kernels.library().zs_linear_parts
         self._c: _Blocks | None = None           # c_blocks(), built on first use
         self._bias_call: tuple | None = None     # (fused bias pointer, bias added after)
@@ -176,7 +197,7 @@ class QuantLinear(nn.Module):
         stay."""
         if self._c is None:
             c = _Blocks(len(self.parts), int(kernels.available("cpu", torch.float32)),
-                        self.int8_rows)
+                        self.int8_batch)
             for i, (t, rows) in enumerate(self.parts):
                 c.part[i] = _Part(BLOCK_TYPES[t][0], int(t in INT8_TYPES), rows,
                                   getattr(self, f"blocks_{i}").data_ptr())

@@ -61,6 +61,7 @@ from scheduler_proc.pool import KVCache, ReqToToken
 from scheduler_proc.request import Req
 from scheduler_proc.sampler import constrain, sample_tokens, token_logprobs
 from models.distributed import SOLO, TPFault, rank_device
+from models.quant_linear import step_batch
 from wire.codec import encode
 from wire.messages import StepPlan, TableWrite, TPInit
 from wire.server_args import ServerArgs, ServerConfig
@@ -122,7 +123,7 @@ class ModelRunner:
         self.context_len = resolved.context_length
         self.model = load_model(resolved.model_path, self.dtype, self.device, tp=tp,
                                 quantization=resolved.quantization,
-                                int8_rows=args.int8_activation_rows)
+                                int8_batch=args.int8_activation_batch)
         self.eos_ids = list(self.config.eos_token_ids)
         c = self.model.config                       # this rank's heads (all of them on one)
         self.pool_size = args.max_total_tokens or self._default_pool_size(args)
@@ -239,16 +240,20 @@ class ModelRunner:
         attn = StepAttention.build(self.cache, req_to_token, plan.out_slots, plan.decode_rows,
                                    plan.decode_lens, plan.prefills, self.device,
                                    self.decode_kernel)
-        hidden = self.model(torch.tensor(plan.ids, dtype=torch.int64, device=self.device),
-                            torch.tensor(plan.positions, dtype=torch.int64, device=self.device),
-                            attn)
-        for i, (row, n) in enumerate(plan.score_ranges):
-            logits = self.model.compute_logits(hidden[row:row + n])
-            if score is not None:
-                score(i, logits)
-        if not plan.sample_rows:
-            return None
-        return self.model.compute_logits(hidden[plan.sample_rows])
+        # The quantized layers' kernel rule counts the step's requests, not its rows
+        # (quant_linear.py): a request alone is computed the same way at every length.
+        with step_batch(len(plan.decode_rows) + len(plan.prefills)):
+            hidden = self.model(torch.tensor(plan.ids, dtype=torch.int64, device=self.device),
+                                torch.tensor(plan.positions, dtype=torch.int64,
+                                             device=self.device),
+                                attn)
+            for i, (row, n) in enumerate(plan.score_ranges):
+                logits = self.model.compute_logits(hidden[row:row + n])
+                if score is not None:
+                    score(i, logits)
+            if not plan.sample_rows:
+                return None
+            return self.model.compute_logits(hidden[plan.sample_rows])
 
     def _scorer(self, scored: list[tuple[Req, int, int]]) -> Callable[[int, torch.Tensor], None]:
         """score(i, logits) for execute: input logprobs of the i-th score range, where row j's

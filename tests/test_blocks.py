@@ -4,12 +4,16 @@ dequantize-then-matmul, on each ISA this machine has; the 8-row groups every par
 in (regroup) read back as gguf's values; a fused layer of parts in different types; which
 kernel takes which M.
 
-The kernel dequantizes each block to exactly the float32 values gguf.quants.dequantize
-gives and multiplies x as it is, so it may differ from float64 dequantize-then-matmul by
-float32 summation only: for a dot product of K terms accumulated in any order (fused
-multiply-adds, then a sum of the lanes), |error| <= K * u * sum |x_i w_i| with u = 2^-24
-(to first order; the bound below takes 2u). A wrong layout moves outputs by the size of the
-terms themselves, far past that.
+The kernel multiplies x as it is by weights w = d * q + m (a sub-block's scale d and offset
+m, the code q: OFFSET_CODES below), in one of two ways: tiles of several rows of x take
+each weight dequantized exactly as gguf.quants.dequantize gives it; a row alone (batch-1
+decode) takes d * sum(q x) + m * sum(x) per sub-block, the same real number with other
+roundings. Either is a sum of at most 2K terms of magnitude |x_i| (|d q_i| + |m_i|), each
+product and sum rounded once, in some order, plus at most two roundings of each weight in
+gguf's float32 values: |error| <= 2K * u * sum |x_i| (|d q_i| + |m_i|) to first order, with
+u = 2^-24, and |d q_i| <= |w_i| + |m_i|; the bound below is K * 2^-22 * sum |x_i| (|w_i| +
+2 |m_i|). m is 0 where no offset is taken apart (exact dequantization only: IQ4_NL, IQ4_XS,
+Q2_K, Q3_K). A wrong layout moves outputs by the size of the terms themselves, far past that.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ import torch
 
 from checkpoints.gguf_quants import quantize
 from models import kernels
-from models.quant_linear import (BLOCK_TYPES, INT8_ROWS, INT8_TYPES, QuantLinear, dequantize,
-                                 regroup)
+from models.quant_linear import (BLOCK_TYPES, INT8_BATCH, INT8_TYPES, QuantLinear, dequantize,
+                                 regroup, step_batch)
 
 needs_kernels = pytest.mark.skipif(not kernels.avx2_available("cpu"),
                                    reason="no AVX2/FMA/F16C or no C compiler")
@@ -69,9 +73,31 @@ def run_kernel(isa: str, qtype: str, blocks: np.ndarray, x: torch.Tensor, bias=N
     return y
 
 
-def assert_within_summation(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias=None):
+# Each type whose rows alone take the offset apart (blocks_impl.h: has_row): the bytes of a
+# GGUF block that hold the codes q. With them zeroed, gguf's dequantization gives each
+# weight's offset m (q = 0: Q4_0's -8d, Q4_1's m, Q4_K's -dmin * m, Q6_K's -32 d, Q8_0's 0).
+OFFSET_CODES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (2, 22), "Q5_1": (4, 24),
+                "Q8_0": (2, 34), "Q4_K": (16, 144), "Q5_K": (16, 176), "Q6_K": (0, 192)}
+
+
+def offsets(qtype: str, blocks: np.ndarray, k: int) -> torch.Tensor:
+    """m of every weight (module doc), [N, K]; zeros for the types without one."""
+    if qtype not in OFFSET_CODES:
+        return torch.zeros(blocks.shape[0], k)
+    lo, hi = OFFSET_CODES[qtype]
+    _, values, size = BLOCK_TYPES[qtype]
+    zeroed = np.array(blocks).reshape(blocks.shape[0], -1, size)
+    zeroed[:, :, lo:hi] = 0
+    return dequantize(qtype, torch.from_numpy(zeroed.reshape(blocks.shape[0], -1)), k)
+
+
+def assert_within_summation(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias=None,
+                            m: torch.Tensor | None = None):
+    """y against float64 x w^T (+ bias) within the module doc's bound; m: the weights'
+    offsets (`offsets`), none if not given."""
     ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
-    bound = x.shape[1] * 2.0 ** -23 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    size = w.double().abs() + (0 if m is None else 2 * m.double().abs())
+    bound = x.shape[1] * 2.0 ** -22 * (x.double().abs() @ size.T) + 1e-30
     err = (y.double() - ref).abs()
     assert torch.isfinite(y).all()
     assert (err <= bound).all(), float((err / bound).max())
@@ -92,10 +118,11 @@ def test_every_type_equals_dequantize_then_matmul(isa, qtype):
         for make in (random_blocks, quantized_blocks):
             blocks = make(rng, qtype, n, k)
             w = dequantize(qtype, torch.from_numpy(blocks), k)
+            off = offsets(qtype, blocks, k)
             x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
             bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
-            assert_within_summation(run_kernel(isa, qtype, blocks, x), x, w)
-            assert_within_summation(run_kernel(isa, qtype, blocks, x, bias), x, w, bias)
+            assert_within_summation(run_kernel(isa, qtype, blocks, x), x, w, m=off)
+            assert_within_summation(run_kernel(isa, qtype, blocks, x, bias), x, w, bias, off)
 
 
 @needs_kernels
@@ -108,8 +135,10 @@ def test_a_wrong_layout_is_caught(isa):
     x = torch.from_numpy(rng.standard_normal((1, 512)).astype(np.float32))
     shifted = np.roll(blocks.reshape(-1), 1).reshape(blocks.shape)
     w = dequantize("Q4_K", torch.from_numpy(blocks), 512)
+    off = offsets("Q4_K", blocks, 512)
+    assert_within_summation(run_kernel(isa, "Q4_K", blocks, x), x, w, m=off)
     with pytest.raises(AssertionError):
-        assert_within_summation(run_kernel(isa, "Q4_K", shifted, x), x, w)
+        assert_within_summation(run_kernel(isa, "Q4_K", shifted, x), x, w, m=off)
 
 
 @needs_kernels
@@ -158,35 +187,51 @@ def test_a_fused_layer_of_two_types(m):
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
     y = layer(x)
     w = torch.cat([dequantize(t, torch.from_numpy(p), k) for t, p in zip(qtypes, parts)])
-    assert_within_summation(y, x, w, bias)
+    off = torch.cat([offsets(t, p, k) for t, p in zip(qtypes, parts)])
+    assert_within_summation(y, x, w, bias, off)
     alone = QuantLinear("Q6_K", torch.from_numpy(parts[2]), k, bias[24:].clone())
     assert torch.equal(y[:, 24:], alone(x))
 
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", INT8_TYPES)
-def test_int8_from_int8_rows_float_below(qtype):
-    """The rule, with int8_rows = 8: below 8 rows of x, blocks.c (float x: within summation
-    of the dequantized product); from 8 on, quant.c (x rounded to int8: equal to a layer
-    that takes quant.c at every M, and off the float product by more than summation). The
-    default (INT8_ROWS, --int8-activation-rows) takes quant.c at every M."""
+def test_int8_from_int8_batch_float_below(qtype):
+    """The rule, with int8_batch = 8 and no model step (the batch is M): below 8 rows of x,
+    blocks.c (float x: within summation of the dequantized product); from 8 on, quant.c (x
+    rounded to int8: equal to a layer that takes quant.c always, and off the float product
+    by more than summation). The default (INT8_BATCH = 32, --int8-activation-batch) takes
+    float x below 32 and quant.c from 32 on. Inside a model step (step_batch) the step's
+    requests are the batch, not the rows: one request's 64-row prefill stays float, one
+    row of a 32-request step takes int8."""
     rng = np.random.default_rng(9)
     k = 256
-    blocks = torch.from_numpy(random_blocks(rng, qtype, 24, k))
-    w = dequantize(qtype, blocks, k)
-    eight = QuantLinear(qtype, blocks, k, int8_rows=8)
-    always_int8 = QuantLinear(qtype, blocks, k, int8_rows=1)
+    raw = random_blocks(rng, qtype, 24, k)
+    blocks = torch.from_numpy(raw)
+    w, off = dequantize(qtype, blocks, k), offsets(qtype, raw, k)
+    eight = QuantLinear(qtype, blocks, k, int8_batch=8)
+    always_int8 = QuantLinear(qtype, blocks, k, int8_batch=1)
+    never_int8 = QuantLinear(qtype, blocks, k, int8_batch=10 ** 6)
     default = QuantLinear(qtype, blocks, k)
-    assert INT8_ROWS == 1
+    assert INT8_BATCH == 32
     for m in (1, 7):
         x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
-        assert_within_summation(eight(x), x, w)
+        assert_within_summation(eight(x), x, w, m=off)
         assert not torch.equal(eight(x), always_int8(x))
-        assert torch.equal(default(x), always_int8(x))
+        assert torch.equal(default(x), never_int8(x))
     x = torch.from_numpy(rng.standard_normal((8, k)).astype(np.float32))
     assert torch.equal(eight(x), always_int8(x))
     with pytest.raises(AssertionError):
-        assert_within_summation(eight(x), x, w)
+        assert_within_summation(eight(x), x, w, m=off)
+    for m, kernel in ((INT8_BATCH - 1, never_int8), (INT8_BATCH, always_int8)):
+        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+        assert torch.equal(default(x), kernel(x))
+    prefill = torch.from_numpy(rng.standard_normal((64, k)).astype(np.float32))
+    row = torch.from_numpy(rng.standard_normal((1, k)).astype(np.float32))
+    with step_batch(1):
+        assert torch.equal(default(prefill), never_int8(prefill))
+    with step_batch(INT8_BATCH):
+        assert torch.equal(default(row), always_int8(row))
+    assert torch.equal(default(prefill), always_int8(prefill))      # the step is over
 
 
 @needs_kernels

@@ -172,9 +172,7 @@ def test_json_with_an_unbounded_string_parses_at_the_token_limit(plain, temperat
 @pytest.mark.skipif(not runs_avx2_kernels(), reason="no AVX2: the default dequantizes")
 def test_no_flags_serves_the_file_quantized(plain):
     """No flags at all serves the Q4_1 file's own blocks (its layers Q4_1, its head Q8_0),
-    says so in the banner and /server_info, and chats to the end of an answer. Its ids are
-    not transformers': x is rounded to int8 as llama.cpp does (tests/test_quant.py checks
-    the quality of that path)."""
+    says so in the banner and /server_info, and chats to the end of an answer."""
     s = plain
     assert s.server_info()["quantization"] == "gguf"
     assert "in float32 (gguf weights) on cpu" in s.logs()
@@ -184,6 +182,36 @@ def test_no_flags_serves_the_file_quantized(plain):
             messages=[{"role": "user", "content": "What is 2+2?"}])
     assert "4" in reply.choices[0].message.content, reply.choices[0].message.content
     assert reply.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.skipif(not runs_avx2_kernels(), reason="no AVX2: the default dequantizes")
+def test_no_flags_is_the_dequantized_model(reference, plain, server):
+    """Issue 21, check 3: served with no flags (the file's blocks, float activations below
+    --int8-activation-batch requests), the default model is the dequantized one: the
+    README's two requests give the same greedy ids as --quantization none, its chat answer
+    names Paris, and the 8 recorded prompts, in flight together, follow transformers'
+    greedy ids through near ties with logprobs within 1e-3 (as the dequantized server's
+    do: test_float32_greedy_matches_transformers). With x rounded to int8 the chat answer
+    was a list of French words (the issue's report)."""
+    hello = {"text": "Hello", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+    assert plain.generate_ok(**hello)["output_ids"] == server.generate_ok(**hello)["output_ids"]
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    replies = []
+    for s in (plain, server):
+        with openai_client(s) as client:
+            reply = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=32,
+                                                   messages=question, logprobs=True)
+        replies.append([(c.token, c.bytes) for c in reply.choices[0].logprobs.content])
+        assert "Paris" in reply.choices[0].message.content, reply.choices[0].message.content
+    assert replies[0] == replies[1]
+    prompts, n = reference["prompts"], reference["max_new_tokens"]
+    outs = concurrently(*[lambda p=p: native(plain, p, n) for p in prompts])
+    for p, r, out in zip(prompts, reference["results"]["float32"], outs):
+        what = f"{p['kind']} {p['content']!r}"
+        agreed = assert_greedy_through_ties(out["output_ids"], r["ids"], r["margins"], F32_TIE,
+                                            what)
+        assert_logprobs_close([t[0] for t in out["meta_info"]["output_token_logprobs"]],
+                              r["logprobs"], agreed, what)
 
 
 def test_model_info_and_banner(server):

@@ -4,7 +4,7 @@ float-activation kernel that serves small batches, has tests/test_blocks.py).
 
 quant.c quantizes x to int8 per block of 32 (as llama.cpp does), so its outputs differ
 from dequantize-then-matmul by x's rounding only; the kernel tests here ask QuantLinear for
-it at every M (int8_rows=1), the model tests run prefills of 64 tokens (past INT8_ROWS). Two kinds of check follow from that:
+it at every M (int8_batch=1), the model tests run prefills of 64 tokens (past INT8_BATCH). Two kinds of check follow from that:
 - x that int8 represents exactly (each block a scale times integers up to 127, one of them
   127): the kernel must equal float64 dequantize-then-matmul to float32 summation error;
 - any x: the error must stay within the rounding bound, sum over blocks of
@@ -74,7 +74,7 @@ def test_kernel_exact_on_int8_representable_x(qtype, m, n, k):
     q[:, :, 5] = 127 * torch.sign(torch.randn(m, k // 32, generator=g))
     x = (q * (torch.rand(m, k // 32, 1, generator=g).double() + 0.05)).view(m, k).float()
     for b in (None, bias):
-        y = QuantLinear(qtype, blocks, k, b, int8_rows=1)(x).double()
+        y = QuantLinear(qtype, blocks, k, b, int8_batch=1)(x).double()
         ref = x.double() @ w.T + (0 if b is None else b.double())
         scale = x.double().abs() @ w.abs().T + 1.0
         assert ((y - ref).abs() / scale).max() < 1e-5, (qtype, m, n, k)
@@ -88,7 +88,7 @@ def test_kernel_within_int8_rounding_of_x(qtype, m, n, k):
     blocks = blocks_of(torch.randn(n, k, generator=g), qtype)
     w = dequantize(qtype, blocks, k).double()
     x = torch.randn(m, k, generator=g) * torch.rand(m, k, generator=g) * 3
-    y = QuantLinear(qtype, blocks, k, int8_rows=1)(x).double()
+    y = QuantLinear(qtype, blocks, k, int8_batch=1)(x).double()
     ref = x.double() @ w.T
     dx = x.double().view(m, -1, 32).abs().amax(-1) / 127                  # [m, blocks]
     bound = (dx / 2) @ w.abs().view(n, -1, 32).sum(-1).T                  # [m, n]

@@ -74,10 +74,13 @@ def flag_type(annotation) -> type:
 
 
 QUANTIZATIONS = ("none", "gguf", "int8")                 # what --quantization resolves to
-# --int8-activation-rows' default: from this many rows of a step on, Q8_0 / Q4_0 / Q4_1
-# layers take the int8 kernel (models/quant_linear.py: the rule). 1: at every step, as
-# llama.cpp: the float-activation kernel is still ~3-5x slower a weight on these types.
-INT8_ROWS = 1
+# --int8-activation-batch' default: model steps that run at least this many requests
+# together take the int8 kernel in Q8_0 / Q4_0 / Q4_1 layers (models/quant_linear.py: the
+# rule); smaller ones (a request alone, a few streams, whatever the prompts' lengths)
+# multiply float activations: the dequantized model's output. From 8 rows of x on the int8
+# kernel is about twice as fast a row (AVX2: integer multiply-adds take four pairs a lane
+# where float takes one), and a large batch's throughput is what it is for.
+INT8_BATCH = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,14 +108,16 @@ class ServerArgs:
                              "to Q8_0 at load; none dequantizes to --dtype. auto: gguf for "
                              "a GGUF file where the CPU has AVX2, else none.",
                              choices=["auto", *QUANTIZATIONS])
-    int8_activation_rows: int = _opt(INT8_ROWS, "Q8_0/Q4_0/Q4_1 layers round activations "
-                                     "to int8 per block of 32 (llama.cpp's arithmetic, the "
-                                     "fastest here) in steps of at least this many rows; "
-                                     "smaller steps multiply by float activations, each "
-                                     "block dequantized in registers: the dequantized "
-                                     "model's output up to float summation order, slower "
-                                     "for now. The K-quants always take float activations. "
-                                     "A large value (e.g. 1000000): float always.")
+    int8_activation_batch: int = _opt(INT8_BATCH, "Model steps running at least this many "
+                                      "requests together round activations to int8 per "
+                                      "block of 32 in Q8_0/Q4_0/Q4_1 layers (llama.cpp's "
+                                      "arithmetic, about twice as fast a row at large "
+                                      "batches); smaller steps multiply by float "
+                                      "activations, each block dequantized in registers: "
+                                      "the dequantized model's output up to float "
+                                      "rounding, whatever the prompt's length. The "
+                                      "K-quants always take float activations. 1: int8 "
+                                      "always (the fastest); 1000000: float always.")
     context_length: int | None = _opt(None, "Context length (default: the model's "
                                       "max_position_embeddings).")
     max_total_tokens: int | None = _opt(None, "KV pool size in tokens (default: from a "
@@ -215,7 +220,7 @@ class ServerArgs:
         for name in ("port", "max_running_requests", "chunked_prefill_size",
                      "tokenizer_worker_num", "api_server_count", "dp_size", "tp_size",
                      "nnodes", "dist_timeout", "max_request_bytes", "read_timeout",
-                     "int8_activation_rows",
+                     "int8_activation_batch",
                      "keep_alive_timeout", "send_timeout", "watchdog_timeout"):
             if not getattr(self, name) > 0 or getattr(self, name) == float("inf"):
                 _refuse(f"--{name.replace('_', '-')} must be positive")

@@ -96,6 +96,8 @@ SIGNATURES = {
     "zs_dequant_rows_avx512": [_int, _p, _i64, _i64, _p, _i64, _p],
     # (ZsBlocks *, x, M, K, bias or NULL, y) -> 0, or -1 (blocks.c: a layer in parts)
     "zs_linear_parts": [_p, _p, _i64, _i64, _p, _p],
+    # (requests in this model step, or 0: none) (blocks.c: the int8 rule's batch)
+    "zs_set_step_batch": [_i64],
 }
 RESTYPES = {"zs_linear_quant": _int, "zs_decode_layers": _int, "zs_linear_blocks_avx2": _int,
             "zs_linear_blocks_avx512": _int, "zs_linear_parts": _int,

@@ -5,13 +5,19 @@
  * in groups of 8 output rows (models/quant_linear.py: regroup; blocks_impl.h says the
  * layout; for Q4_0, Q4_1 and Q8_0 it is quant.c's, so one copy serves both kernels).
  *
- * Each block is dequantized in registers, bit for bit as gguf-py's dequantize_blocks
- * computes it (the same float operations in the same order), and multiplied with x as it
- * is: no rounding of the activations, so a layer's output differs from
- * dequantize-then-matmul by float32 summation order only. A weight's 8 rows come out in
- * the 8 lanes of one vector and one broadcast of x serves them; every type but Q2_K and
- * Q3_K has such a vectorized path, those two go through the scalar dequantizers
- * (correct, and several times slower: the loader dequantizes those types instead).
+ * x is multiplied as it is: no rounding of the activations, so a layer's output is the
+ * dequantized layer's up to float32 rounding. Two forms of the arithmetic:
+ * - tiles of 2 to 8 rows of x (group_tile): each block dequantized in registers, bit for
+ *   bit as gguf-py's dequantize_blocks computes it (the same float operations in the same
+ *   order), one weight's 8 rows in the 8 lanes of one vector, one broadcast of x per row;
+ * - one row of x alone (group_row: batch-1 decode, and the odd row of an odd M), for
+ *   Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K: each sub-block's x . w as
+ *   d * sum(q x) + m * sum(x), the codes converted where they lie in the lane: per 8
+ *   weights one AND, one conversion and one fused multiply-add with x's value spread in a
+ *   vector. The same real number as the dequantized product with other roundings
+ *   (tests/test_blocks.py has the bound); about half the work a weight.
+ * IQ4_NL and IQ4_XS have vectorized tiles only; Q2_K and Q3_K go through the scalar
+ * dequantizers (correct, and several times slower: the loader dequantizes those types).
  *
  * Loop order: threads split the groups; each takes the rows of x in tiles of 8 (then 4,
  * 2, 1), transposed once per call so that a tile's x values for a position are adjacent.
@@ -105,16 +111,35 @@ static __thread float *tiles;               /* x_tiles' buffer: only grows */
 static __thread size_t tiles_size;
 
 /* x [M, K] as its tiles of tile_rows rows, each transposed to [K][rows] (so that a tile's
- * values for one position are adjacent: blocks_impl.h's FMA_ROWS reads them so), in a
- * per-thread buffer; x itself when M = 1 (a tile of one row is the row). NULL: no memory. */
-static const float *x_tiles(const float *x, int64_t M, int64_t K) {
-    if (M <= 1) return x;
-    const size_t need = (size_t)(M * K) * sizeof(float);
+ * values for one position are adjacent: blocks_impl.h's FMA_ROWS reads them so); each
+ * row's sums of 16 values (*sums: [M][K / 16]); and where the last tile is one row (M
+ * odd), that row spread, each value 8 times (*spread: [K][8]): the row kernels'
+ * (group_row) operands. In a per-thread buffer; the tiles are x itself when M = 1 (a tile
+ * of one row is the row). NULL: no memory. K is a multiple of 32 (every block type's). */
+static const float *x_tiles(const float *x, int64_t M, int64_t K, const float **sums,
+                            const float **spread) {
+    const int64_t nsum = M * (K / 16), nspread = M % 2 ? 8 * K : 0;
+    const size_t need = (size_t)(M * K + nsum + nspread) * sizeof(float);
     if (need > tiles_size) {
         float *grown = realloc(tiles, need);
         if (grown == NULL) return NULL;
         tiles = grown, tiles_size = need;
     }
+    float *s = tiles + M * K, *sp = s + nsum;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t i = 0; i < K / 16; i++) {
+            float acc = 0.0f;
+            for (int j = 0; j < 16; j++) acc += x[m * K + 16 * i + j];
+            s[m * (K / 16) + i] = acc;
+        }
+    *sums = s;
+    *spread = nspread ? sp : NULL;
+    if (nspread) {
+        const float *last = x + (M - 1) * K;
+        for (int64_t k = 0; k < K; k++)
+            for (int l = 0; l < 8; l++) sp[8 * k + l] = last[k];
+    }
+    if (M <= 1) return x;
     for (int64_t m0 = 0; m0 < M;) {
         const int64_t mr = tile_rows(M - m0);
         for (int64_t k = 0; k < K; k++)
@@ -148,10 +173,17 @@ int zs_linear_quant(int type, const float *x, int64_t M, int64_t K, const uint8_
  * layer whose GGUF tensors differ in type, e.g. Q4_K_M's q/k in Q4_K and v in Q6_K, keeps
  * each in its own): part p gives outputs [the earlier parts' rows, + rows).
  * models/quant_linear.py fills it (QuantLinear.c_blocks) and decode.c calls through it, so
- * both take the same kernel for the same M, by one rule: parts with `int8` set (Q4_0, Q4_1,
- * Q8_0, whose groups are quant.c's layout too) take quant.c's int8 kernel from int8_rows
- * rows of x on; every other part and M takes blocks.c's float kernel, AVX-512 or AVX2 as
- * `avx512` says (kernels.available, the one rule for the ISA). */
+ * both take the same kernel in the same step, by one rule: parts with `int8` set (Q4_0,
+ * Q4_1, Q8_0, whose groups are quant.c's layout too) take quant.c's int8 kernel where the
+ * batch is at least int8_batch; every other part and batch takes blocks.c's float kernel,
+ * AVX-512 or AVX2 as `avx512` says (kernels.available, the one rule for the ISA). The
+ * batch is the model step's number of requests (step_batch, set around each step by the
+ * scheduler's runner: quant_linear.step_batch), so a request alone is computed the same
+ * float way whatever its prompt's length; outside a step (direct calls), M rows of x. */
+static int64_t step_batch;                 /* 0: no step set; the model runs on one thread */
+
+void zs_set_step_batch(int64_t requests) { step_batch = requests; }
+
 #define ZS_MAX_PARTS 3
 typedef struct {
     int64_t type, int8, rows;
@@ -159,7 +191,7 @@ typedef struct {
 } ZsPart;
 
 typedef struct ZsBlocks {
-    int64_t nparts, avx512, int8_rows;
+    int64_t nparts, avx512, int8_batch;
     ZsPart part[ZS_MAX_PARTS];
 } ZsBlocks;
 
@@ -169,20 +201,20 @@ int zs_linear_parts(const ZsBlocks *L, const float *x, int64_t M, int64_t K,
                     const float *bias, float *y) {
     int64_t N = 0, off = 0;
     for (int64_t p = 0; p < L->nparts; p++) N += L->part[p].rows;
-    const float *xs = NULL;                 /* x's tiles, made once for every float part */
+    const float *xs = NULL, *sums, *spread;  /* x_tiles, made once for every float part */
     for (int64_t p = 0; p < L->nparts; p++) {
         const ZsPart *q = &L->part[p];
         const float *b = bias ? bias + off : NULL;
-        if (q->int8 && M >= L->int8_rows) {
+        if (q->int8 && (step_batch > 0 ? step_batch : M) >= L->int8_batch) {
             if (zs_linear_quant((int)q->type, x, M, K, q->weight, q->rows, b, y + off, N))
                 return -1;
         } else {
             if (block_bytes((int)q->type) == 0 || K % block_values((int)q->type)) return -1;
-            if (xs == NULL && (xs = x_tiles(x, M, K)) == NULL) return -1;
+            if (xs == NULL && (xs = x_tiles(x, M, K, &sums, &spread)) == NULL) return -1;
             if (L->avx512)
-                linear_tiles_avx512((int)q->type, xs, M, K, q->weight, q->rows, b, y + off, N);
+                linear_tiles_avx512((int)q->type, xs, sums, spread, M, K, q->weight, q->rows, b, y + off, N);
             else
-                linear_tiles_avx2((int)q->type, xs, M, K, q->weight, q->rows, b, y + off, N);
+                linear_tiles_avx2((int)q->type, xs, sums, spread, M, K, q->weight, q->rows, b, y + off, N);
         }
         off += q->rows;
     }

@@ -431,6 +431,254 @@ INLINE BT void SFX(block_any)(int type, const uint8_t *gb, const int mr,
         _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) FMA_ROWS(_mm256_loadu_ps(tmp[p + i]), p + i, i)
 }
 
+/* ---- one row of x (batch-1 decode): each sub-block's scale applied to its sum --------- *
+ * A sub-block of weights w = d * q + m (d, m its scale and offset: Q4_1's m, Q4_0's -8d,
+ * Q4_K's -dmin * m, Q6_K's -32d, Q8_0's 0) gives x . w = d * sum(q * x) + m * sum(x): the
+ * codes are converted to float and multiplied with x as they are, d multiplies the
+ * sub-block's sum once, and sum(x) (the row's sums of 16, made once per call) takes the
+ * offset. The same real number as the dequantized weights' product; each product and sum
+ * rounded once (tests/test_blocks.py's bound), and per weight only the code's extraction,
+ * its conversion and one fused multiply-add: on AVX2 about two thirds of the work of the
+ * exact dequantization above, which the tiles of several rows (group_tile) amortize.
+ *
+ * A nibble at bit 4k of a lane is taken where it lies (q * 2^4k, one AND) and its chain of
+ * sums scaled by 2^-4k at the sub-block's end (exact: a power of two); the top nibble by a
+ * shift (q itself). Chains by position class keep eight fused multiply-adds in flight. */
+
+/* x's value p in all 8 lanes: the row is given spread (blocks.c: x_tiles), so this is a
+ * plain load, folded into the multiply-add (a broadcast costs a vector slot of its own). */
+INLINE BT __m256 SFX(xv)(const float *x, int p) {
+    return _mm256_loadu_ps(x + 8 * p);
+}
+
+INLINE BT __m256i SFX(shl)(__m256i v, int n) {         /* << n, or >> -n (logical) */
+    return n >= 0 ? _mm256_slli_epi32(v, n) : _mm256_srli_epi32(v, -n);
+}
+
+/* Nibble k (bits 4k..4k+3) of each lane as q * 2^4k (k < 7) or q (k = 7). */
+INLINE BT __m256i SFX(nib_at)(__m256i v, int k) {
+    return k == 7 ? _mm256_srli_epi32(v, 28) : _mm256_and_si256(v, _mm256_set1_epi32(15 << (4 * k)));
+}
+
+INLINE BT float SFX(nib_scale)(int k) {                 /* undoes nib_at's 2^4k */
+    return k == 7 ? 1.0f : 1.0f / (float)(1 << (4 * k));
+}
+
+/* s[0] * 2^0 + s[1] * 2^-4 + ... (nib_scale per chain k) */
+INLINE BT __m256 SFX(scaled_sum)(const __m256 *s) {
+    __m256 a = _mm256_fmadd_ps(s[2], _mm256_set1_ps(SFX(nib_scale)(2)), s[0]);
+    __m256 b = _mm256_fmadd_ps(s[3], _mm256_set1_ps(SFX(nib_scale)(3)), s[7]);
+    a = _mm256_fmadd_ps(s[4], _mm256_set1_ps(SFX(nib_scale)(4)), a);
+    b = _mm256_fmadd_ps(s[1], _mm256_set1_ps(SFX(nib_scale)(1)), b);
+    a = _mm256_fmadd_ps(s[6], _mm256_set1_ps(SFX(nib_scale)(6)), a);
+    b = _mm256_fmadd_ps(s[5], _mm256_set1_ps(SFX(nib_scale)(5)), b);
+    return _mm256_add_ps(a, b);
+}
+
+#define ZERO8(s) for (int i_ = 0; i_ < 8; i_++) s[i_] = _mm256_setzero_ps();
+
+/* Q4_0, Q4_1, Q5_0, Q5_1 (block_q4's fields): value 4c + t is nibble 2t of qs unit c,
+ * value 4c + t + 16 nibble 2t + 1; Q5's bit 4 from bit p of qh, put just above the
+ * nibble where it lies. xs: the row's sums of 16. */
+INLINE BT __m256 SFX(row_q4)(const int type, const uint8_t *gb, const float *x,
+                             const float *xs, __m256 acc) {
+    const int with_m = type == GGML_Q4_1 || type == GGML_Q5_1;
+    const int q5 = type == GGML_Q5_0 || type == GGML_Q5_1;
+    const __m256 d = SFX(f16x8)(gb);
+    const __m256 m = with_m ? SFX(f16x8)(gb + 16)
+                            : _mm256_mul_ps(d, _mm256_set1_ps(type == GGML_Q4_0 ? -8.0f : -16.0f));
+    const uint8_t *qh = gb + (with_m ? 32 : 16), *qs = qh + (q5 ? 32 : 0);
+    const __m256i h = q5 ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+    __m256 s[8];
+    ZERO8(s)
+    _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        _Pragma("GCC unroll 8") for (int k = 0; k < 8; k++) {
+            const int p = 4 * c + k / 2 + 16 * (k & 1);         /* the value nibble k holds */
+            __m256i q = SFX(nib_at)(v, k);
+            if (q5) {
+                const int at = k == 7 ? 4 : 4 * k + 4;           /* bit 4 of q, where it lies */
+                q = _mm256_or_si256(q, _mm256_and_si256(SFX(shl)(h, at - p),
+                                                        _mm256_set1_epi32(1 << at)));
+            }
+            s[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), SFX(xv)(x, p), s[k]);
+        }
+    }
+    acc = _mm256_fmadd_ps(d, SFX(scaled_sum)(s), acc);
+    return _mm256_fmadd_ps(m, _mm256_set1_ps(xs[0] + xs[1]), acc);
+}
+
+/* Q8_0: byte t of a lane moved to the top (q * 2^24, exact in float), d * 2^-24 after. */
+INLINE BT __m256 SFX(row_q8_0)(const uint8_t *gb, const float *x, __m256 acc) {
+    const __m256i top = _mm256_set1_epi32((int)0xFF000000u);
+    __m256 s[8];
+    ZERO8(s)
+    _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(gb + 16 + 32 * c));
+        _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
+            const __m256i q = t == 0 ? _mm256_slli_epi32(v, 24)
+                                     : _mm256_and_si256(t == 3 ? v : _mm256_slli_epi32(v, 24 - 8 * t), top);
+            const int k = t + 4 * (c & 1);
+            s[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), SFX(xv)(x, 4 * c + t), s[k]);
+        }
+    }
+    const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(s[0], s[1]), _mm256_add_ps(s[2], s[3])),
+                                     _mm256_add_ps(_mm256_add_ps(s[4], s[5]), _mm256_add_ps(s[6], s[7])));
+    return _mm256_fmadd_ps(_mm256_mul_ps(SFX(f16x8)(gb), _mm256_set1_ps(0x1p-24f)), sum, acc);
+}
+
+/* Byte j (< 4) of each lane, as int32. */
+INLINE BT __m256i SFX(byte_at)(__m256i v, int j) {
+    return _mm256_and_si256(_mm256_srli_epi32(v, 8 * j), _mm256_set1_epi32(255));
+}
+
+/* Q4_K and Q5_K (block_k4's fields): the 8 six-bit scales and mins of 8 rows, vectorized
+ * (scale_min_k4's bits: scales units u0, u1, u2 = bytes 0-3, 4-7, 8-11 of each row). */
+INLINE BT void SFX(scales_k4_x8)(const uint8_t *gb, __m256 ds[8], __m256 dm[8]) {
+    const __m256 d = SFX(f16x8)(gb), dmin = SFX(f16x8)(gb + 16);
+    const __m256i u0 = _mm256_loadu_si256((const __m256i *)(gb + 32));
+    const __m256i u1 = _mm256_loadu_si256((const __m256i *)(gb + 64));
+    const __m256i u2 = _mm256_loadu_si256((const __m256i *)(gb + 96));
+    const __m256i six = _mm256_set1_epi32(63), four = _mm256_set1_epi32(15);
+    _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
+        __m256i sc, mn;
+        if (j < 4) {
+            sc = _mm256_and_si256(SFX(byte_at)(u0, j), six);
+            mn = _mm256_and_si256(SFX(byte_at)(u1, j), six);
+        } else {
+            const __m256i b2 = SFX(byte_at)(u2, j - 4);
+            sc = _mm256_or_si256(_mm256_and_si256(b2, four),
+                                 _mm256_slli_epi32(_mm256_srli_epi32(SFX(byte_at)(u0, j - 4), 6), 4));
+            mn = _mm256_or_si256(_mm256_srli_epi32(b2, 4),
+                                 _mm256_slli_epi32(_mm256_srli_epi32(SFX(byte_at)(u1, j - 4), 6), 4));
+        }
+        ds[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+        dm[j] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn));
+    }
+}
+
+/* Q4_K, Q5_K: qs byte 4c + t of part j (c < 8) is value 4c + t of sub-block 2j (nibble 2t
+ * of the lane) and of 2j + 1 (nibble 2t + 1); Q5_K's bit 4 from bit 2j (+ 1) of qh's byte
+ * 4c + t, put just above the nibble. */
+INLINE BT __m256 SFX(row_k4)(const int q5, const uint8_t *gb, const float *x,
+                             const float *xs, __m256 acc) {
+    __m256 ds[8], dm[8];
+    SFX(scales_k4_x8)(gb, ds, dm);
+    const uint8_t *qs = gb + (q5 ? 384 : 128), *qh = gb + 128;
+    _Pragma("GCC unroll 1") for (int j = 0; j < 4; j++) {
+        __m256 s[8];
+        ZERO8(s)
+        _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * (8 * j + c)));
+            const __m256i h = q5 ? _mm256_loadu_si256((const __m256i *)(qh + 32 * c))
+                                 : _mm256_setzero_si256();
+            _Pragma("GCC unroll 8") for (int k = 0; k < 8; k++) {
+                const int t = k / 2, hi = k & 1;
+                __m256i q = SFX(nib_at)(v, k);
+                if (q5) {
+                    const int at = k == 7 ? 4 : 4 * k + 4, from = 8 * t + 2 * j + hi;
+                    q = _mm256_or_si256(q, _mm256_and_si256(SFX(shl)(h, at - from),
+                                                            _mm256_set1_epi32(1 << at)));
+                }
+                s[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q),
+                                       SFX(xv)(x, 64 * j + 32 * hi + 4 * c + t), s[k]);
+            }
+        }
+        /* the even chains are sub-block 2j, the odd ones 2j + 1 */
+        __m256 lo = _mm256_fmadd_ps(s[2], _mm256_set1_ps(SFX(nib_scale)(2)), s[0]);
+        lo = _mm256_fmadd_ps(s[4], _mm256_set1_ps(SFX(nib_scale)(4)), lo);
+        lo = _mm256_fmadd_ps(s[6], _mm256_set1_ps(SFX(nib_scale)(6)), lo);
+        __m256 hi = _mm256_fmadd_ps(s[1], _mm256_set1_ps(SFX(nib_scale)(1)), s[7]);
+        hi = _mm256_fmadd_ps(s[3], _mm256_set1_ps(SFX(nib_scale)(3)), hi);
+        hi = _mm256_fmadd_ps(s[5], _mm256_set1_ps(SFX(nib_scale)(5)), hi);
+        acc = _mm256_fmadd_ps(ds[2 * j], lo, acc);
+        acc = _mm256_fmadd_ps(ds[2 * j + 1], hi, acc);
+        acc = _mm256_fnmadd_ps(dm[2 * j], _mm256_set1_ps(xs[4 * j] + xs[4 * j + 1]), acc);
+        acc = _mm256_fnmadd_ps(dm[2 * j + 1], _mm256_set1_ps(xs[4 * j + 2] + xs[4 * j + 3]), acc);
+    }
+    return acc;
+}
+
+/* Q6_K (block_q6_k's fields): sub-block 8h + 2t + cq / 4 (16 values) has scale
+ * d * scales[that]; its codes 0..63 (the -32 is the offset m = -32 * scale). The four
+ * sub-blocks t = 0..3 of a quarter (h, cq / 4) share their loads and run side by side,
+ * two chains each. */
+INLINE BT __m256 SFX(row_q6_k)(const uint8_t *gb, const float *x, const float *xs,
+                               __m256 acc) {
+    const __m256 d = SFX(f16x8)(gb + 1664);
+    const __m256i fifteen = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3);
+    _Pragma("GCC unroll 1") for (int h = 0; h < 2; h++)
+        _Pragma("GCC unroll 1") for (int half = 0; half < 2; half++) {
+            __m256 s[8];
+            ZERO8(s)
+            _Pragma("GCC unroll 4") for (int c4 = 0; c4 < 4; c4++) {
+                const int cq = 4 * half + c4;
+                const __m256i V = _mm256_loadu_si256((const __m256i *)(gb + 1024 + 32 * (8 * h + cq)));
+                const __m256i L0 = _mm256_loadu_si256((const __m256i *)(gb + 32 * (16 * h + cq)));
+                const __m256i L1 = _mm256_loadu_si256((const __m256i *)(gb + 32 * (16 * h + 8 + cq)));
+                _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
+                    const __m256i L = t % 2 ? L1 : L0;
+                    _Pragma("GCC unroll 4") for (int tt = 0; tt < 4; tt++) {
+                        const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(L, 8 * tt + 4 * (t / 2)), fifteen);
+                        const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(V, 8 * tt + 2 * t), three);
+                        const __m256i q = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 4));
+                        const int k = 2 * t + (tt & 1);
+                        s[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q),
+                                               SFX(xv)(x, 128 * h + 32 * t + 4 * cq + tt), s[k]);
+                    }
+                }
+            }
+            /* scales of sub-blocks 8h + 2t + half: scales unit (8h + 2t + half) / 4, byte % 4 */
+            _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
+                const int sb = 8 * h + 2 * t + half;
+                const __m256i u = _mm256_loadu_si256((const __m256i *)(gb + 1536 + 32 * (sb / 4)));
+                const __m256i sc = _mm256_srai_epi32(_mm256_slli_epi32(u, 24 - 8 * (sb % 4)), 24);
+                const __m256 dsub = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+                acc = _mm256_fmadd_ps(dsub, _mm256_add_ps(s[2 * t], s[2 * t + 1]), acc);
+                acc = _mm256_fnmadd_ps(_mm256_mul_ps(dsub, _mm256_set1_ps(32.0f)),
+                                       _mm256_set1_ps(xs[sb]), acc);
+            }
+        }
+    return acc;
+}
+
+/* Does row_of serve this type? */
+static inline int SFX(has_row)(int type) {
+    switch (type) {
+        case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: case GGML_Q8_0:
+        case GGML_Q4_K: case GGML_Q5_K: case GGML_Q6_K: return 1;
+        default: return 0;
+    }
+}
+
+/* One group of 8 output rows against one row of x (has_row types): out[r] = x . W[n0 + r].
+ * x: the row spread (each value 8 times), xs: its sums of 16. */
+INLINE BT void SFX(group_row)(int type, const uint8_t *g, int64_t nb, int64_t bs, int64_t qb,
+                              const float *x, const float *xs, float out[8]) {
+    __m256 acc = _mm256_setzero_ps();
+#define ROW_LOOP(call)                                                                  \
+    for (int64_t b = 0; b < nb; b++) {                                                  \
+        const uint8_t *gb = g + b * 8 * bs;                                             \
+        const float *xb = x + 8 * b * qb, *sb = xs + b * qb / 16;                       \
+        (void)sb;                                                                       \
+        _mm_prefetch((const char *)(gb + 8 * bs), _MM_HINT_T0);                         \
+        acc = call;                                                                     \
+    }                                                                                   \
+    break;
+    switch (type) {     /* outside the loop over blocks: each type's loop its own */
+        case GGML_Q4_0: ROW_LOOP(SFX(row_q4)(GGML_Q4_0, gb, xb, sb, acc))
+        case GGML_Q4_1: ROW_LOOP(SFX(row_q4)(GGML_Q4_1, gb, xb, sb, acc))
+        case GGML_Q5_0: ROW_LOOP(SFX(row_q4)(GGML_Q5_0, gb, xb, sb, acc))
+        case GGML_Q5_1: ROW_LOOP(SFX(row_q4)(GGML_Q5_1, gb, xb, sb, acc))
+        case GGML_Q8_0: ROW_LOOP(SFX(row_q8_0)(gb, xb, acc))
+        case GGML_Q4_K: ROW_LOOP(SFX(row_k4)(0, gb, xb, sb, acc))
+        case GGML_Q5_K: ROW_LOOP(SFX(row_k4)(1, gb, xb, sb, acc))
+        default: ROW_LOOP(SFX(row_q6_k)(gb, xb, sb, acc))
+    }
+#undef ROW_LOOP
+    _mm256_storeu_ps(out, acc);
+}
+
 /* One group of 8 output rows against mr (<= 8, a constant where inlined) rows of x:
  * out[m][r] = x[m] . W[n0 + r]. */
 INLINE BT void SFX(group_tile)(int type, const uint8_t *g, int64_t nb, int64_t bs, int64_t qb,
@@ -464,14 +712,18 @@ INLINE BT void SFX(group_tile)(int type, const uint8_t *g, int64_t nb, int64_t b
 }
 
 /* y[m * ldy + n] = x[m] . W[n] (+ bias[n]) for m < M, n < N, with x given as its tiles
- * (blocks.c: x_tiles) and W's N rows as `type` blocks in groups of 8 (above). Threads split
- * the groups; each takes the tiles of x in turn, every weight dequantized once per tile in
- * registers. */
-static BT void SFX(linear_tiles)(int type, const float *xs, int64_t M, int64_t K,
-                                  const uint8_t *w, int64_t N, const float *bias, float *y,
-                                  int64_t ldy) {
+ * its rows' sums of 16 and its last row spread if that row is a tile of its own (blocks.c:
+ * x_tiles) and W's N rows as `type` blocks in groups
+ * of 8 (above). Threads split the groups; each takes the tiles of x in turn, every weight
+ * dequantized once per tile in registers; a tile of one row takes group_row where the
+ * type has it. */
+static BT void SFX(linear_tiles)(int type, const float *xt, const float *sums,
+                                  const float *spread, int64_t M,
+                                  int64_t K, const uint8_t *w, int64_t N, const float *bias,
+                                  float *y, int64_t ldy) {
     const int64_t qb = block_values(type), bs = block_bytes(type), nb = K / qb;
     const int64_t groups = (N + 7) / 8;
+    const int row = SFX(has_row)(type);
 #pragma omp parallel for schedule(static)
     for (int64_t gi = 0; gi < groups; gi++) {
         const uint8_t *g = w + gi * nb * 8 * bs;
@@ -479,10 +731,11 @@ static BT void SFX(linear_tiles)(int type, const float *xs, int64_t M, int64_t K
         for (int64_t m0 = 0; m0 < M;) {
             const int mr = tile_rows(M - m0);
             float out[8][8];
-            const float *tile = xs + m0 * K;
+            const float *tile = xt + m0 * K;
             if (mr == 8) SFX(group_tile)(type, g, nb, bs, qb, tile, 8, out);
             else if (mr == 4) SFX(group_tile)(type, g, nb, bs, qb, tile, 4, out);
             else if (mr == 2) SFX(group_tile)(type, g, nb, bs, qb, tile, 2, out);
+            else if (row) SFX(group_row)(type, g, nb, bs, qb, spread, sums + m0 * (K / 16), out[0]);
             else SFX(group_tile)(type, g, nb, bs, qb, tile, 1, out);
             for (int m = 0; m < mr; m++) {
                 float *ym = y + (m0 + m) * ldy + n0;
@@ -499,9 +752,10 @@ BT int SFX(zs_linear_blocks)(int type, const float *x, int64_t M, int64_t K,
                              const uint8_t *w, int64_t N, const float *bias, float *y,
                              int64_t ldy) {
     if (block_bytes(type) == 0 || K % block_values(type)) return -1;
-    const float *xs = x_tiles(x, M, K);
-    if (xs == NULL) return -1;
-    SFX(linear_tiles)(type, xs, M, K, w, N, bias, y, ldy);
+    const float *sums, *spread;
+    const float *xt = x_tiles(x, M, K, &sums, &spread);
+    if (xt == NULL) return -1;
+    SFX(linear_tiles)(type, xt, sums, spread, M, K, w, N, bias, y, ldy);
     return 0;
 }
 
