@@ -55,11 +55,9 @@ BLOCK_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
                "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144),
                "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "IQ4_XS": (23, 256, 136)}
 INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")     # quant.c's too, kept in its 8-row groups
-# What the loader keeps in blocks: the types blocks.c has a vectorized path for (or quant.c).
-# The others run on its scalar path, correct but slower than their float32 dequantization
-# (2-3 ns a weight on one core, against ~0.5), so a file's Q2_K and Q3_K layers are still
-# dequantized at load.
-KEPT_TYPES = (*INT8_TYPES, "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+# What the loader keeps in blocks: every type blocks.c serves (each has a vectorized path).
+KEPT_TYPES = (*INT8_TYPES, "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+              "IQ4_XS")
 MAX_PARTS = 3                            # blocks.c: ZS_MAX_PARTS
 BLOCK = 32                               # quant.c's block
 

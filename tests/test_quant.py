@@ -268,11 +268,25 @@ def test_q4_native_argmaxes_agree_with_dequantized(tiny_file, family, qtype):
 
 
 # K-quant files as llama-quantize mixes them: Q4_K_M keeps attn_v and ffn_down (and the
-# output) in Q6_K, the rest in Q4_K; Q6_K and IQ4_XS are one type throughout. Widths of 256 (the
-# K-quants' blocks), the weights quantized by checkpoints/gguf_quants.py.
+# output) in Q6_K, the rest in Q4_K; Q3_K_M those in Q4_K / Q6_K, the rest in Q3_K; Q2_K
+# those in Q3_K / Q6_K, the rest in Q2_K; Q6_K and IQ4_XS are one type throughout. Widths
+# of 256 (the K-quants' blocks), the weights quantized by checkpoints/gguf_quants.py.
 K_MIXES = {"Q4_K_M": (T.Q4_K, {"attn_v.weight": T.Q6_K, "ffn_down.weight": T.Q6_K,
                                "output.weight": T.Q6_K}),
+           "Q3_K_M": (T.Q3_K, {"attn_v.weight": T.Q4_K, "ffn_down.weight": T.Q4_K,
+                               "output.weight": T.Q6_K}),
+           "Q2_K": (T.Q2_K, {"attn_v.weight": T.Q3_K, "ffn_down.weight": T.Q3_K,
+                             "output.weight": T.Q6_K}),
            "Q6_K": (T.Q6_K, {}), "IQ4_XS": (T.IQ4_XS, {})}
+
+
+def mix_layer_types(mix: str) -> set[str]:
+    """The QuantLinear types a K_MIXES file's layers have: q/k/v (two parts where v differs),
+    o and gate/up in the base type, down and the head in theirs."""
+    base, types = K_MIXES[mix]
+    v, down, out = (types.get(f"{t}.weight", base).name
+                    for t in ("attn_v", "ffn_down", "output"))
+    return {base.name, base.name if v == base.name else f"{base.name}+{v}", down, out}
 
 
 @pytest.fixture(scope="module")
@@ -295,8 +309,9 @@ def k_file(tmp_path_factory):
 @needs_kernels
 @pytest.mark.parametrize("mix", sorted(K_MIXES))
 def test_k_quant_file_served_in_its_blocks(k_file, mix, caplog):
-    """Every linear layer of a Q4_K_M / Q6_K / IQ4_XS file stays in its blocks (the fused q/k/v of
-    Q4_K_M in two parts, Q4_K and Q6_K), the weights hold the file's bytes, and the model
+    """Every linear layer of a Q4_K_M / Q3_K_M / Q2_K / Q6_K / IQ4_XS file stays in its
+    blocks (the fused q/k/v of the mixes in two parts, e.g. Q4_K and Q6_K), the weights
+    hold the file's bytes, and the model
     agrees with the dequantized one: teacher-forced argmaxes (float activations: the same
     up to float summation, so all but near ties) and greedy ids through near ties."""
     path = k_file(mix)
@@ -305,7 +320,7 @@ def test_k_quant_file_served_in_its_blocks(k_file, mix, caplog):
     n = native.config.num_layers
     assert f"{4 * n + 1} of {4 * n + 1} linear layers kept in their blocks" in caplog.text
     layers = {m.qtype for m in native.modules() if isinstance(m, QuantLinear)}
-    assert layers == ({"Q4_K", "Q4_K+Q6_K", "Q6_K"} if mix == "Q4_K_M" else {mix})
+    assert layers == mix_layer_types(mix)
     from models import describe_weights
     from models import gguf as zgguf
     header = zgguf.read_header(path)

@@ -103,7 +103,7 @@ class ServerArgs:
                       "on cpu).", choices=["auto", "float32", "bfloat16", "float16"])
     quantization: str = _opt("auto", "Weights kept quantized in memory (CPU, one rank): "
                              "gguf serves a GGUF file's linear layers in their own blocks "
-                             "where their type has a kernel (Q4_0 to Q8_0, Q4_K, Q5_K, "
+                             "where their type has a kernel (Q4_0 to Q8_0, Q2_K to "
                              "Q6_K, IQ4_NL, IQ4_XS); int8 quantizes a float checkpoint's linear layers "
                              "to Q8_0 at load; none dequantizes to --dtype. auto: gguf for "
                              "a GGUF file where the CPU has AVX2, else none.",

@@ -16,8 +16,8 @@
  *   weights one AND, one conversion and one fused multiply-add with x's value spread in a
  *   vector. The same real number as the dequantized product with other roundings
  *   (tests/test_blocks.py has the bound); about half the work a weight.
- * IQ4_NL and IQ4_XS have vectorized tiles only; Q2_K and Q3_K go through the scalar
- * dequantizers (correct, and several times slower: the loader dequantizes those types).
+ * IQ4_NL, IQ4_XS, Q2_K and Q3_K have the tiles' form only (Q2_K and Q3_K: each block
+ * dequantized 8 rows at a time into a buffer, then multiplied).
  *
  * Loop order: threads split the groups; each takes the rows of x in tiles of 8 (then 4,
  * 2, 1), transposed once per call so that a tile's x values for a position are adjacent.

@@ -415,20 +415,93 @@ INLINE BT void SFX(block_iq4_xs)(const uint8_t *gb, const int mr, const float *x
     }
 }
 
-/* Any type: each row's block dequantized by the scalar code, then taken position by
- * position (tmp[p][r]). */
-INLINE BT void SFX(block_any)(int type, const uint8_t *gb, const int mr,
-                              const float *xt, __m256 *acc) {
-    float row[256], tmp[256][8];
-    uint8_t blk[256];
-    const int qb = (int)block_values(type);
-    for (int r = 0; r < 8; r++) {
-        SFX(ungroup)(type, gb, r, blk);
-        SFX(deq)(type, blk, row);
-        for (int p = 0; p < qb; p++) tmp[p][r] = row[p];
+/* Q2_K and Q3_K: a group's block dequantized into tmp[256][8] (position p, row r), 8 rows
+ * at a time in lanes, each value computed as deq_q2_k / deq_q3_k compute it (the same
+ * float operations in the same order), then taken position by position (block_tmp).
+ * Q2_K: scales (4 units) at 0, qs (16 units) at 128, d at 640, dmin at 656. Position
+ * 128h + 32s + l: bits 2s of qs byte 32h + l (unit 8h + l / 4, lane byte l % 4);
+ * sub-block 8h + 2s + l / 16: scales byte of that index (unit / 4, lane byte % 4). */
+INLINE BT void SFX(deq8_q2_k)(const uint8_t *gb, float tmp[256][8]) {
+    const __m256 d = SFX(f16x8)(gb + 640), dmin = SFX(f16x8)(gb + 656);
+    const __m256i fifteen = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3);
+    for (int sb = 0; sb < 16; sb++) {
+        const __m256i u = _mm256_loadu_si256((const __m256i *)(gb + 32 * (sb / 4)));
+        const __m256i sc = _mm256_srli_epi32(u, 8 * (sb % 4));
+        const __m256 dl = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(sc, fifteen)));
+        const __m256 ml = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(
+            _mm256_and_si256(_mm256_srli_epi32(sc, 4), fifteen)));
+        const int h = sb / 8, s = (sb / 2) % 4, l0 = 16 * (sb % 2);
+        _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {        /* l = l0 + 4c + t */
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(gb + 128 + 32 * (8 * h + l0 / 4 + c)));
+            _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
+                const __m256i q = _mm256_and_si256(_mm256_srli_epi32(v, 8 * t + 2 * s), three);
+                _mm256_storeu_ps(tmp[128 * h + 32 * s + l0 + 4 * c + t],
+                                 _mm256_sub_ps(_mm256_mul_ps(dl, _mm256_cvtepi32_ps(q)), ml));
+            }
+        }
     }
+}
+
+/* Q3_K: hmask (8 units) at 0, qs (16 units) at 256, scales (3 units) at 768, d at 864.
+ * Position 128h + 32s + l: bits 2s of qs byte 32h + l, minus 4 unless bit 4h + s of hmask
+ * byte l (unit l / 4, lane byte l % 4) is set; scale i (deq_q3_k's bits): the nibble
+ * (i >> 3) * 4 of scales byte i & 7, with bits 2(i >> 2) of scales byte 8 + (i & 3) on top,
+ * minus 32. */
+INLINE BT void SFX(deq8_q3_k)(const uint8_t *gb, float tmp[256][8]) {
+    const __m256 d = SFX(f16x8)(gb + 864);
+    const __m256i fifteen = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3);
+    const __m256i one = _mm256_set1_epi32(1), four = _mm256_set1_epi32(4);
+    const __m256i hi_u = _mm256_loadu_si256((const __m256i *)(gb + 768 + 64));
+    for (int i = 0; i < 16; i++) {
+        const __m256i lo_u = _mm256_loadu_si256((const __m256i *)(gb + 768 + 32 * ((i & 7) / 4)));
+        const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(lo_u, 8 * ((i & 7) % 4) + 4 * (i >> 3)), fifteen);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(hi_u, 8 * (i & 3) + 2 * (i >> 2)), three);
+        const __m256i sc = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)),
+                                            _mm256_set1_epi32(32));
+        const __m256 dl = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+        const int h = i / 8, s = (i / 2) % 4, l0 = 16 * (i % 2);
+        _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {        /* l = l0 + 4c + t */
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(gb + 256 + 32 * (8 * h + l0 / 4 + c)));
+            const __m256i m = _mm256_loadu_si256((const __m256i *)(gb + 32 * (l0 / 4 + c)));
+            _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
+                const __m256i q2 = _mm256_and_si256(_mm256_srli_epi32(v, 8 * t + 2 * s), three);
+                const __m256i hb = _mm256_and_si256(_mm256_srli_epi32(m, 8 * t + 4 * h + s), one);
+                /* minus 4 where the bit is clear: q2 - 4 + 4 * bit */
+                const __m256i q = _mm256_add_epi32(_mm256_sub_epi32(q2, four), _mm256_slli_epi32(hb, 2));
+                _mm256_storeu_ps(tmp[128 * h + 32 * s + l0 + 4 * c + t],
+                                 _mm256_mul_ps(dl, _mm256_cvtepi32_ps(q)));
+            }
+        }
+    }
+}
+
+/* acc += tmp (a block's 8 rows, position by position) times the tile's mr rows of x. */
+INLINE BT void SFX(block_tmp)(float tmp[256][8], const int qb, const int mr, const float *xt,
+                              __m256 *acc) {
     for (int p = 0; p < qb; p += 8)
         _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) FMA_ROWS(_mm256_loadu_ps(tmp[p + i]), p + i, i)
+}
+
+/* Any type: each row's block dequantized (deq8_* for Q2_K and Q3_K, else the scalar code),
+ * then taken position by position. */
+INLINE BT void SFX(block_any)(int type, const uint8_t *gb, const int mr,
+                              const float *xt, __m256 *acc) {
+    float tmp[256][8];
+    const int qb = (int)block_values(type);
+    if (type == GGML_Q2_K) {
+        SFX(deq8_q2_k)(gb, tmp);
+    } else if (type == GGML_Q3_K) {
+        SFX(deq8_q3_k)(gb, tmp);
+    } else {
+        float row[256];
+        uint8_t blk[256];
+        for (int r = 0; r < 8; r++) {
+            SFX(ungroup)(type, gb, r, blk);
+            SFX(deq)(type, blk, row);
+            for (int p = 0; p < qb; p++) tmp[p][r] = row[p];
+        }
+    }
+    SFX(block_tmp)(tmp, qb, mr, xt, acc);
 }
 
 /* ---- one row of x (batch-1 decode): each sub-block's scale applied to its sum --------- *
