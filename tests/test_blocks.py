@@ -12,8 +12,8 @@ roundings. Either is a sum of at most 2K terms of magnitude |x_i| (|d q_i| + |m_
 product and sum rounded once, in some order, plus at most two roundings of each weight in
 gguf's float32 values: |error| <= 2K * u * sum |x_i| (|d q_i| + |m_i|) to first order, with
 u = 2^-24, and |d q_i| <= |w_i| + |m_i|; the bound below is K * 2^-22 * sum |x_i| (|w_i| +
-2 |m_i|). m is 0 where no offset is taken apart (exact dequantization only: IQ4_NL, IQ4_XS,
-Q2_K, Q3_K). A wrong layout moves outputs by the size of the terms themselves, far past that.
+2 |m_i|). m is 0 where no offset is taken apart: IQ4_NL and IQ4_XS have none (their row
+form takes only the scale apart), Q2_K and Q3_K have the tiles' form only. A wrong layout moves outputs by the size of the terms themselves, far past that.
 """
 
 from __future__ import annotations

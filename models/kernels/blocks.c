@@ -11,13 +11,14 @@
  *   bit as gguf-py's dequantize_blocks computes it (the same float operations in the same
  *   order), one weight's 8 rows in the 8 lanes of one vector, one broadcast of x per row;
  * - one row of x alone (group_row: batch-1 decode, and the odd row of an odd M), for
- *   Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K: each sub-block's x . w as
- *   d * sum(q x) + m * sum(x), the codes converted where they lie in the lane: per 8
- *   weights one AND, one conversion and one fused multiply-add with x's value spread in a
- *   vector. The same real number as the dequantized product with other roundings
- *   (tests/test_blocks.py has the bound); about half the work a weight.
- * IQ4_NL, IQ4_XS, Q2_K and Q3_K have the tiles' form only (Q2_K and Q3_K: each block
- * dequantized 8 rows at a time into a buffer, then multiplied).
+ *   every type but Q2_K and Q3_K: each sub-block's x . w as d * sum(q x) + m * sum(x),
+ *   the codes converted where they lie in the lane (IQ4's looked up four at a time by a
+ *   byte shuffle): per 8 weights about one AND, one conversion and one fused multiply-add
+ *   with x's value spread in a vector. The same real number as the dequantized product
+ *   with other roundings (tests/test_blocks.py has the bound); about half the work a
+ *   weight.
+ * Q2_K and Q3_K have the tiles' form only: each block dequantized 8 rows at a time into a
+ * buffer, then multiplied.
  *
  * Loop order: threads split the groups; each takes the rows of x in tiles of 8 (then 4,
  * 2, 1), transposed once per call so that a tile's x values for a position are adjacent.

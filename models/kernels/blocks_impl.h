@@ -715,11 +715,76 @@ INLINE BT __m256 SFX(row_q6_k)(const uint8_t *gb, const float *x, const float *x
     return acc;
 }
 
+/* IQ4_NL and IQ4_XS: one byte shuffle looks up the 16 values of a unit's four low (or
+ * high) nibbles at once, as signed bytes; each byte is then moved to the top of its lane
+ * (value * 2^24, exact in float, Q8_0's way) and the 2^-24 joins the scale. 32 values from
+ * four units: value 4c + t is the low nibble of lane byte t of unit c, 4c + t + 16 the
+ * high one. */
+INLINE BT __m256i SFX(kv_bytes)(__m256i nibbles) {     /* 0x0F-masked bytes -> KVALUES */
+    const __m256i table = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10,
+                                           1, 13, 25, 38, 53, 69, 89, 113,
+                                           -127, -104, -83, -65, -49, -35, -22, -10,
+                                           1, 13, 25, 38, 53, 69, 89, 113);
+    return _mm256_shuffle_epi8(table, nibbles);
+}
+
+INLINE BT __m256i SFX(byte_top)(__m256i v, int t) {    /* lane byte t at bits 24..31 */
+    const __m256i top = _mm256_set1_epi32((int)0xFF000000u);
+    return t == 0 ? _mm256_slli_epi32(v, 24)
+                  : _mm256_and_si256(t == 3 ? v : _mm256_slli_epi32(v, 24 - 8 * t), top);
+}
+
+/* sum over 32 values of KVALUES[q] * x, times 2^24 (four units at qs, x spread) */
+INLINE BT __m256 SFX(iq4_sum32)(const uint8_t *qs, const float *x) {
+    const __m256i low = _mm256_set1_epi8(15);
+    __m256 s[8];
+    ZERO8(s)
+    _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        const __m256i lo = SFX(kv_bytes)(_mm256_and_si256(v, low));
+        const __m256i hi = SFX(kv_bytes)(_mm256_and_si256(_mm256_srli_epi32(v, 4), low));
+        _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
+            s[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(SFX(byte_top)(lo, t)),
+                                   SFX(xv)(x, 4 * c + t), s[t]);
+            s[4 + t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(SFX(byte_top)(hi, t)),
+                                       SFX(xv)(x, 4 * c + t + 16), s[4 + t]);
+        }
+    }
+    return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(s[0], s[1]), _mm256_add_ps(s[2], s[3])),
+                         _mm256_add_ps(_mm256_add_ps(s[4], s[5]), _mm256_add_ps(s[6], s[7])));
+}
+
+/* IQ4_NL (block_iq4_nl's fields): d, then qs's four units. */
+INLINE BT __m256 SFX(row_iq4_nl)(const uint8_t *gb, const float *x, __m256 acc) {
+    const __m256 d = _mm256_mul_ps(SFX(f16x8)(gb), _mm256_set1_ps(0x1p-24f));
+    return _mm256_fmadd_ps(d, SFX(iq4_sum32)(gb + 16, x), acc);
+}
+
+/* IQ4_XS (block_iq4_xs's fields): sub-block i's scale d * (six bits - 32): the nibble
+ * i % 2 of scales_l byte i / 2 (lane byte of the unit at 32), bits 2i of the row's
+ * scales_h (a uint16 per row at 16); its 32 values in qs units 4i..4i+3. */
+INLINE BT __m256 SFX(row_iq4_xs)(const uint8_t *gb, const float *x, __m256 acc) {
+    const __m256 d = _mm256_mul_ps(SFX(f16x8)(gb), _mm256_set1_ps(0x1p-24f));
+    const __m256i sh = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(gb + 16)));
+    const __m256i sl = _mm256_loadu_si256((const __m256i *)(gb + 32));
+    _Pragma("GCC unroll 1") for (int i = 0; i < 8; i++) {
+        const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(sl, 8 * (i / 2) + 4 * (i % 2)),
+                                            _mm256_set1_epi32(15));
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(sh, 2 * i), _mm256_set1_epi32(3));
+        const __m256i sc = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)),
+                                            _mm256_set1_epi32(32));
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)),
+                              SFX(iq4_sum32)(gb + 64 + 128 * i, x + 8 * 32 * i), acc);
+    }
+    return acc;
+}
+
 /* Does row_of serve this type? */
 static inline int SFX(has_row)(int type) {
     switch (type) {
         case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: case GGML_Q8_0:
-        case GGML_Q4_K: case GGML_Q5_K: case GGML_Q6_K: return 1;
+        case GGML_Q4_K: case GGML_Q5_K: case GGML_Q6_K: case GGML_IQ4_NL:
+        case GGML_IQ4_XS: return 1;
         default: return 0;
     }
 }
@@ -746,7 +811,9 @@ INLINE BT void SFX(group_row)(int type, const uint8_t *g, int64_t nb, int64_t bs
         case GGML_Q8_0: ROW_LOOP(SFX(row_q8_0)(gb, xb, acc))
         case GGML_Q4_K: ROW_LOOP(SFX(row_k4)(0, gb, xb, sb, acc))
         case GGML_Q5_K: ROW_LOOP(SFX(row_k4)(1, gb, xb, sb, acc))
-        default: ROW_LOOP(SFX(row_q6_k)(gb, xb, sb, acc))
+        case GGML_Q6_K: ROW_LOOP(SFX(row_q6_k)(gb, xb, sb, acc))
+        case GGML_IQ4_NL: ROW_LOOP(SFX(row_iq4_nl)(gb, xb, acc))
+        default: ROW_LOOP(SFX(row_iq4_xs)(gb, xb, acc))
     }
 #undef ROW_LOOP
     _mm256_storeu_ps(out, acc);
