@@ -90,17 +90,35 @@ FIELDS = {"Q4_0": ((0, 2), (2, 16)), "IQ4_NL": ((0, 2), (2, 16)),
           "IQ4_XS": ((0, 2), (2, 2), (4, 4), (8, 128))}
 
 
+QH_AT = {"Q5_0": 2, "Q5_1": 4}           # where a Q5 block's uint32 of fifth bits is
+
+
+def qh_bit(p: int) -> int:
+    """Where regroup keeps bit p of a Q5 block's qh (blocks.c: QH_BIT)."""
+    return 8 * (p % 4) + (p % 16) // 4 + 4 * (p // 16)
+
+
 def regroup(qtype: str, blocks: torch.Tensor) -> torch.Tensor:
     """GGUF rows of blocks, uint8 [N, bytes per row] -> groups of 8 rows (N padded with zero
     rows to a multiple of 8), flat uint8, the same bytes reordered: a group's blocks in
     order, each block's fields one after another, a field of B bytes as B / w units of w
     bytes (w = 2 for the fp16 scales, else 4) with unit c of rows 0..7 side by side. For
     Q4_0, Q4_1 and Q8_0 this is quant.c's layout (its header comment), so one copy serves
-    both kernels; blocks.c reads every type from it (blocks_impl.h)."""
+    both kernels; blocks.c reads every type from it (blocks_impl.h). One exception to "the
+    same bytes": a Q5_0 / Q5_1 block's 32 fifth bits are reordered within their uint32
+    (qh_bit), so that blocks.c finds a unit's eight beside its nibbles."""
     n, row = blocks.shape
     size = BLOCK_TYPES[qtype][2]
     nb, pad = row // size, -n % 8
     b = torch.cat([blocks, blocks.new_zeros(pad, row)]).view(-1, 8, nb, size)
+    if qtype in QH_AT:                       # Q5's fifth bits in blocks.c's order: QH_BIT
+        at = QH_AT[qtype]
+        qh = b[..., at:at + 4].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        held = torch.zeros_like(qh)
+        for p in range(32):
+            held |= ((qh >> p) & 1) << qh_bit(p)
+        b = b.clone()
+        b[..., at:at + 4] = held.to(torch.int32).view(torch.uint8).view(*held.shape[:-1], 4)
     fields = []
     for off, width in FIELDS[qtype]:
         w = 2 if width == 2 else 4

@@ -103,6 +103,13 @@ static inline const Fields *fields_of(int type) {
     }
 }
 
+/* Where bit p of a Q5_0 / Q5_1 block's qh (the fifth bit of value p) is kept: bit 8t + c
+ * for value 4c + t, 8t + 4 + c for value 4c + t + 16 (c, t < 4), so that lane byte t of
+ * a row's qh holds the fifth bits of the values in lane byte t of its qs units
+ * (blocks_impl.h: row_q4). models/quant_linear.py: regroup orders them so; ungroup puts
+ * them back. */
+#define QH_BIT(p) (8 * ((p) % 4) + ((p) % 16) / 4 + 4 * ((p) / 16))
+
 /* Rows of x taken together: 8, then 4, 2, 1 for what is left. */
 static inline int tile_rows(int64_t left) {
     return left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;

@@ -225,6 +225,13 @@ INLINE BT void SFX(ungroup)(int type, const uint8_t *gb, int r, uint8_t *blk) {
         const int off = f->off[k], size = f->size[k], w = size == 2 ? 2 : 4;
         for (int c = 0; c < size / w; c++) memcpy(blk + off + c * w, gb + 8 * off + c * 8 * w + r * w, (size_t)w);
     }
+    if (type == GGML_Q5_0 || type == GGML_Q5_1) {       /* qh back in GGUF's bit order */
+        const int at = type == GGML_Q5_0 ? 2 : 4;
+        uint32_t held, qh = 0;
+        memcpy(&held, blk + at, 4);
+        for (int p = 0; p < 32; p++) qh |= ((held >> QH_BIT(p)) & 1u) << p;
+        memcpy(blk + at, &qh, 4);
+    }
 }
 
 INLINE BT __m256i SFX(nib)(__m256i v, int shift) {        /* 4 bits at `shift`, per lane */
@@ -251,8 +258,8 @@ INLINE BT __m256 SFX(f16x8)(const uint8_t *p) {            /* 8 rows' fp16 field
 /* The fast paths: one block of 8 rows, each weight dequantized in lanes exactly as the
  * scalar deq_* above computes it (the same float operations in the same order). */
 /* Q4_0, Q4_1, Q5_0, Q5_1: fields d (16 bytes), Q4_1/Q5_1's m (16), Q5's qh (one unit: a
- * row's uint32 per lane), qs (4 units). Value p < 32: nibble p / 16 of qs byte p % 16, and
- * for Q5 bit p of qh as its bit 4. */
+ * row's uint32 per lane, its bits in QH_BIT's order), qs (4 units). Value p < 32: nibble
+ * p / 16 of qs byte p % 16, and for Q5 bit QH_BIT(p) of qh as its bit 4. */
 INLINE BT void SFX(block_q4)(const int type, const uint8_t *gb, const int mr,
                              const float *xt, __m256 *acc) {
     const int with_m = type == GGML_Q4_1 || type == GGML_Q5_1;
@@ -271,7 +278,7 @@ INLINE BT void SFX(block_q4)(const int type, const uint8_t *gb, const int mr,
                 __m256i q = SFX(nib)(v, 8 * t + 4 * hi);
                 if (q5)
                     q = _mm256_or_si256(q, _mm256_slli_epi32(
-                        _mm256_and_si256(_mm256_srli_epi32(h, p), one), 4));
+                        _mm256_and_si256(_mm256_srli_epi32(h, QH_BIT(p)), one), 4));
                 __m256 w;
                 if (with_m)
                     w = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q)), m);
@@ -551,8 +558,11 @@ INLINE BT __m256 SFX(scaled_sum)(const __m256 *s) {
 #define ZERO8(s) for (int i_ = 0; i_ < 8; i_++) s[i_] = _mm256_setzero_ps();
 
 /* Q4_0, Q4_1, Q5_0, Q5_1 (block_q4's fields): value 4c + t is nibble 2t of qs unit c,
- * value 4c + t + 16 nibble 2t + 1; Q5's bit 4 from bit p of qh, put just above the
- * nibble where it lies. xs: the row's sums of 16. */
+ * value 4c + t + 16 nibble 2t + 1. Q5: qh's bits in QH_BIT's order put unit c's eight
+ * fifth bits at bits c (low nibbles) and 4 + c (high ones) of each lane byte, so two
+ * shifts and masks set them beside their nibbles, a unit at a time: lane byte t then
+ * holds value 4c + t's five bits (and, shifted down four, 4c + t + 16's), taken where
+ * they lie (q * 2^8t) and scaled back per chain. xs: the row's sums of 16. */
 INLINE BT __m256 SFX(row_q4)(const int type, const uint8_t *gb, const float *x,
                              const float *xs, __m256 acc) {
     const int with_m = type == GGML_Q4_1 || type == GGML_Q5_1;
@@ -561,23 +571,40 @@ INLINE BT __m256 SFX(row_q4)(const int type, const uint8_t *gb, const float *x,
     const __m256 m = with_m ? SFX(f16x8)(gb + 16)
                             : _mm256_mul_ps(d, _mm256_set1_ps(type == GGML_Q4_0 ? -8.0f : -16.0f));
     const uint8_t *qh = gb + (with_m ? 32 : 16), *qs = qh + (q5 ? 32 : 0);
-    const __m256i h = q5 ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
     __m256 s[8];
     ZERO8(s)
-    _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-        _Pragma("GCC unroll 8") for (int k = 0; k < 8; k++) {
-            const int p = 4 * c + k / 2 + 16 * (k & 1);         /* the value nibble k holds */
-            __m256i q = SFX(nib_at)(v, k);
-            if (q5) {
-                const int at = k == 7 ? 4 : 4 * k + 4;           /* bit 4 of q, where it lies */
-                q = _mm256_or_si256(q, _mm256_and_si256(SFX(shl)(h, at - p),
-                                                        _mm256_set1_epi32(1 << at)));
+    if (q5) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+        const __m256i low = _mm256_set1_epi8(15), fifth = _mm256_set1_epi8(16);
+        _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low),
+                                               _mm256_and_si256(_mm256_slli_epi32(h, 4 - c), fifth));
+            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(v, 4), low),
+                                               _mm256_and_si256(_mm256_srli_epi32(h, c), fifth));
+            _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
+                const __m256i five = _mm256_set1_epi32(31 << (8 * t));
+                s[2 * t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(lo, five)),
+                                           SFX(xv)(x, 4 * c + t), s[2 * t]);
+                s[2 * t + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(hi, five)),
+                                               SFX(xv)(x, 4 * c + t + 16), s[2 * t + 1]);
             }
-            s[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), SFX(xv)(x, p), s[k]);
         }
+        __m256 sum = _mm256_add_ps(s[0], s[1]);         /* chains 2t, 2t + 1: 2^8t */
+        _Pragma("GCC unroll 3") for (int t = 1; t < 4; t++)
+            sum = _mm256_fmadd_ps(_mm256_add_ps(s[2 * t], s[2 * t + 1]),
+                                  _mm256_set1_ps(1.0f / (float)(1 << (8 * t))), sum);
+        acc = _mm256_fmadd_ps(d, sum, acc);
+    } else {
+        _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            _Pragma("GCC unroll 8") for (int k = 0; k < 8; k++) {
+                const int p = 4 * c + k / 2 + 16 * (k & 1);     /* the value nibble k holds */
+                s[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(SFX(nib_at)(v, k)), SFX(xv)(x, p), s[k]);
+            }
+        }
+        acc = _mm256_fmadd_ps(d, SFX(scaled_sum)(s), acc);
     }
-    acc = _mm256_fmadd_ps(d, SFX(scaled_sum)(s), acc);
     return _mm256_fmadd_ps(m, _mm256_set1_ps(xs[0] + xs[1]), acc);
 }
 
