@@ -43,7 +43,7 @@ from wire.model_path import StartupError
 from wire.server_args import ServerArgs
 
 T = gguf.GGMLQuantizationType
-TYPES = ["Q8_0", "Q4_0", "Q4_1"]
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 needs_kernels = pytest.mark.skipif(not kernels.avx2_available("cpu"),
                                    reason="no AVX2/FMA/F16C or no C compiler: the quantized "
                                           "kernels cannot run here (the loader dequantizes)")

@@ -2,14 +2,17 @@
  * W in GGUF's blocks of 32 weights, regrouped 8 output rows at a time (AVX2 + FMA + F16C).
  *
  * GGUF stores each output row as K/32 blocks:
- *   Q8_0  34 bytes: fp16 d, int8 q[32]             w[j] = d * q[j]
- *   Q4_0  18 bytes: fp16 d, uint8 qs[16]           w[j] = d * (nibble_j - 8)
- *   Q4_1  20 bytes: fp16 d, fp16 m, uint8 qs[16]   w[j] = d * nibble_j + m
- * with nibble_j = qs[j] & 15 for j < 16 and qs[j - 16] >> 4 for j >= 16. At load
- * (models/quant_linear.py: interleave) every 8 rows (N padded with zero rows) become one
- * group, and each block of a group is stored as
- *   d[8] fp16, (Q4_1) m[8] fp16, then for each quad c of the block's bytes (Q4: qs[4c..4c+3],
- *   c < 4; Q8_0: q[4c..4c+3], c < 8) those 4 bytes of rows 0..7: one 32-byte vector.
+ *   Q8_0  34 bytes: fp16 d, int8 q[32]                      w[j] = d * q[j]
+ *   Q4_0  18 bytes: fp16 d, uint8 qs[16]                    w[j] = d * (nibble_j - 8)
+ *   Q4_1  20 bytes: fp16 d, fp16 m, uint8 qs[16]            w[j] = d * nibble_j + m
+ *   Q5_0  22 bytes: fp16 d, uint32 qh, uint8 qs[16]         w[j] = d * (five_j - 16)
+ *   Q5_1  24 bytes: fp16 d, fp16 m, uint32 qh, uint8 qs[16] w[j] = d * five_j + m
+ * with nibble_j = qs[j] & 15 for j < 16 and qs[j - 16] >> 4 for j >= 16, and five_j the
+ * nibble with bit j of qh on top. At load (models/quant_linear.py: regroup) every 8 rows
+ * (N padded with zero rows) become one group, and each block of a group is stored as
+ *   d[8] fp16, (Q4_1, Q5_1) m[8] fp16, (Q5) qh of rows 0..7 (its bits in blocks.c's
+ *   QH_BIT order), then for each quad c of the block's bytes (Q4, Q5: qs[4c..4c+3], c < 4;
+ *   Q8_0: q[4c..4c+3], c < 8) those 4 bytes of rows 0..7: one 32-byte vector.
  * the same bytes as the file, reordered; a group's blocks are contiguous, then the next
  * group's. One vector of a quad then holds 8 rows in its 8 int32 lanes, so a block's dot
  * products for 8 outputs come out in the 8 lanes of one register: no horizontal sums, the
@@ -21,8 +24,11 @@
  *   Q8_0: d * dx * sum(q * xq)
  *   Q4_0: d * dx * sum(nibble * xq) - 8 * d * (dx * sum(xq))
  *   Q4_1: d * dx * sum(nibble * xq) +     m * (dx * sum(xq))
+ *   Q5_0, Q5_1: the same with five_j and 16 (QH_BIT puts a quad's fifth bits beside its
+ *   nibbles with two shifts and masks: the bytes are five_j, 0..31).
  * No s16 overflow: Q4 sums 8 vpmaddubsw results of at most 2 * 15 * 127 each (30480 in
- * all) before widening; Q8_0 (|q| <= 128 by the sign trick, 32512 per result) widens each.
+ * all) before widening, Q5 4 of at most 2 * 31 * 127 (31496); Q8_0 (|q| <= 128 by the
+ * sign trick, 32512 per result) widens each.
  * The only error beyond the weights' own is x's rounding to int8.
  *
  * Loop order: rows of x in chunks of MC (their int8 copy stays in cache), threads split the
@@ -45,7 +51,8 @@
 #define MR 4    /* rows of x per tile */
 #define MC 64   /* rows of x per chunk */
 
-enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8 };   /* gguf.GGMLQuantizationType */
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7,   /* gguf.GGMLQuantizationType */
+       GGML_Q8_0 = 8 };
 
 INLINE QTARGET float fp16(const uint8_t *p) {
     uint16_t h;
@@ -104,34 +111,47 @@ INLINE QTARGET __m256i bcast4(const int8_t *p) {     /* 4 bytes of x into every 
     return _mm256_set1_epi32(v);
 }
 
-/* Q4_0 (offset -8 * d) and Q4_1 (offset m): `q4_1` is a compile-time constant. */
-INLINE QTARGET void tile_q4(const int q4_1, TILE_PARAMS) {
-    const int64_t bsize = q4_1 ? 160 : 144;
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+/* Q4_0 (offset -8 * d), Q4_1 (offset m), Q5_0 (offset -16 * d), Q5_1 (offset m): `with_m`
+ * and `q5` are compile-time constants. */
+INLINE QTARGET void tile_q4(const int with_m, const int q5, TILE_PARAMS) {
+    const int64_t bsize = 16 + (with_m ? 16 : 0) + (q5 ? 32 : 0) + 128;
+    const __m256i low = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10);
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bsize;
-        const uint8_t *qs = blk + (q4_1 ? 32 : 16);
+        const uint8_t *qh = blk + (with_m ? 32 : 16), *qs = qh + (q5 ? 32 : 0);
         _mm_prefetch((const char *)(blk + 8 * bsize), _MM_HINT_T0);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256 o = q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
-                              : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        const __m256 o = with_m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
+                                : _mm256_mul_ps(d, _mm256_set1_ps(q5 ? -16.0f : -8.0f));
+        const __m256i h = q5 ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
         __m256i lo[4], hi[4];
         for (int c = 0; c < 4; c++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
             lo[c] = _mm256_and_si256(v, low);
             hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            if (q5) {
+                lo[c] = _mm256_or_si256(lo[c], _mm256_and_si256(_mm256_slli_epi32(h, 4 - c), fifth));
+                hi[c] = _mm256_or_si256(hi[c], _mm256_and_si256(_mm256_srli_epi32(h, c), fifth));
+            }
         }
         for (int i = 0; i < mr; i++) {
             const int8_t *x = xq + i * K + b * QK;
             __m256i s = _mm256_maddubs_epi16(lo[0], bcast4(x));
             s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[0], bcast4(x + 16)));
+            __m256i s32 = _mm256_setzero_si256();
             for (int c = 1; c < 4; c++) {
+                if (q5 && c == 2) {                 /* 4 results of at most 7874: widen */
+                    s32 = _mm256_madd_epi16(s, ones);
+                    s = _mm256_setzero_si256();
+                }
                 s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[c], bcast4(x + 4 * c)));
                 s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[c], bcast4(x + 16 + 4 * c)));
             }
-            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+            s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(s, ones));
+            const __m256 dot = _mm256_cvtepi32_ps(s32);
             acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(dx[i * nb + b])),
                                      acc[i]);
             acc[i] = _mm256_fmadd_ps(o, _mm256_set1_ps(sx[i * nb + b]), acc[i]);
@@ -186,7 +206,14 @@ static __thread size_t scratch_size;
 
 /* Bytes of one group's block (8 rows), by ggml type; 0 for a type not served here. */
 static int64_t group_block_bytes(int type) {
-    return type == GGML_Q8_0 ? 272 : type == GGML_Q4_1 ? 160 : type == GGML_Q4_0 ? 144 : 0;
+    switch (type) {
+        case GGML_Q8_0: return 272;
+        case GGML_Q4_0: return 144;
+        case GGML_Q4_1: return 160;
+        case GGML_Q5_0: return 176;
+        case GGML_Q5_1: return 192;
+        default: return 0;
+    }
 }
 
 /* w: ceil(N / 8) groups as above; y's rows are ldy apart (a part of a wider output:
@@ -224,9 +251,13 @@ QTARGET int zs_linear_quant(int type, const float *x, int64_t M, int64_t K, cons
                 if (type == GGML_Q8_0) {
                     TILE_SWITCH(tile_q8_0(mr_, wg, nb, xt, K, dt, st, out))
                 } else if (type == GGML_Q4_1) {
-                    TILE_SWITCH(tile_q4(1, mr_, wg, nb, xt, K, dt, st, out))
+                    TILE_SWITCH(tile_q4(1, 0, mr_, wg, nb, xt, K, dt, st, out))
+                } else if (type == GGML_Q4_0) {
+                    TILE_SWITCH(tile_q4(0, 0, mr_, wg, nb, xt, K, dt, st, out))
+                } else if (type == GGML_Q5_1) {
+                    TILE_SWITCH(tile_q4(1, 1, mr_, wg, nb, xt, K, dt, st, out))
                 } else {
-                    TILE_SWITCH(tile_q4(0, mr_, wg, nb, xt, K, dt, st, out))
+                    TILE_SWITCH(tile_q4(0, 1, mr_, wg, nb, xt, K, dt, st, out))
                 }
                 for (int i = 0; i < mr; i++) {
                     float *yi = y + (m0 + i0 + i) * ldy + n0;
