@@ -43,7 +43,7 @@ from wire.model_path import StartupError
 from wire.server_args import ServerArgs
 
 T = gguf.GGMLQuantizationType
-TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"]
 needs_kernels = pytest.mark.skipif(not kernels.avx2_available("cpu"),
                                    reason="no AVX2/FMA/F16C or no C compiler: the quantized "
                                           "kernels cannot run here (the loader dequantizes)")
@@ -51,8 +51,8 @@ TEXT = (Path(__file__).resolve().parents[1] / "bench" / "ppl_text.txt")
 
 
 def blocks_of(w: torch.Tensor, qtype: str) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(w.numpy(),
-                                                                      getattr(T, qtype))))
+    from checkpoints.gguf_quants import quantize          # gguf's, and IQ4_NL's
+    return torch.from_numpy(np.ascontiguousarray(quantize(w.numpy(), getattr(T, qtype))))
 
 
 # ---------------------------------------------------------------------------------------

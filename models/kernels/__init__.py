@@ -3,8 +3,8 @@
     linear.c       y = x W^T + b on weights laid out in panels (models/cpu_linear.py)
     blocks.c       y = x W^T + b on GGUF's blocks (every type QuantLinear serves), float x:
                    each block dequantized in registers (models/quant_linear.py)
-    quant.c        the same on Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks with x rounded to int8
-                   (large batches)
+    quant.c        the same on Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL blocks with x rounded
+                   to int8 (large batches)
     attention.c    decode attention read in place from the paged KV pool (attention.py)
     elementwise.c  residual add + RMSNorm, RoPE, SiLU-and-multiply (models/llama.py)
     decode.c       every layer of a step of decode rows in one call (models/fast_decode.py)

@@ -3,8 +3,8 @@
  *   blocks of 32:  Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL
  *   blocks of 256: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS
  * in groups of 8 output rows (models/quant_linear.py: regroup; blocks_impl.h says the
- * layout; for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 it is quant.c's, so one copy serves both
- * kernels).
+ * layout; for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL it is quant.c's, so one copy serves
+ * both kernels).
  *
  * x is multiplied as it is: no rounding of the activations, so a layer's output is the
  * dequantized layer's up to float32 rounding. Two forms of the arithmetic:

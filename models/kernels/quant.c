@@ -7,11 +7,12 @@
  *   Q4_1  20 bytes: fp16 d, fp16 m, uint8 qs[16]            w[j] = d * nibble_j + m
  *   Q5_0  22 bytes: fp16 d, uint32 qh, uint8 qs[16]         w[j] = d * (five_j - 16)
  *   Q5_1  24 bytes: fp16 d, fp16 m, uint32 qh, uint8 qs[16] w[j] = d * five_j + m
+ *   IQ4_NL 18 bytes: fp16 d, uint8 qs[16]                   w[j] = d * KVALUES[nibble_j]
  * with nibble_j = qs[j] & 15 for j < 16 and qs[j - 16] >> 4 for j >= 16, and five_j the
  * nibble with bit j of qh on top. At load (models/quant_linear.py: regroup) every 8 rows
  * (N padded with zero rows) become one group, and each block of a group is stored as
  *   d[8] fp16, (Q4_1, Q5_1) m[8] fp16, (Q5) qh of rows 0..7 (its bits in blocks.c's
- *   QH_BIT order), then for each quad c of the block's bytes (Q4, Q5: qs[4c..4c+3], c < 4;
+ *   QH_BIT order), then for each quad c of the block's bytes (Q4, Q5, IQ4_NL: qs[4c..4c+3], c < 4;
  *   Q8_0: q[4c..4c+3], c < 8) those 4 bytes of rows 0..7: one 32-byte vector.
  * the same bytes as the file, reordered; a group's blocks are contiguous, then the next
  * group's. One vector of a quad then holds 8 rows in its 8 int32 lanes, so a block's dot
@@ -26,6 +27,8 @@
  *   Q4_1: d * dx * sum(nibble * xq) +     m * (dx * sum(xq))
  *   Q5_0, Q5_1: the same with five_j and 16 (QH_BIT puts a quad's fifth bits beside its
  *   nibbles with two shifts and masks: the bytes are five_j, 0..31).
+ *   IQ4_NL: d * dx * sum(KVALUES[nibble] * xq), the values looked up by a byte shuffle
+ *   (signed bytes: Q8_0's sign trick).
  * No s16 overflow: Q4 sums 8 vpmaddubsw results of at most 2 * 15 * 127 each (30480 in
  * all) before widening, Q5 4 of at most 2 * 31 * 127 (31496); Q8_0 (|q| <= 128 by the
  * sign trick, 32512 per result) widens each.
@@ -52,7 +55,7 @@
 #define MC 64   /* rows of x per chunk */
 
 enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7,   /* gguf.GGMLQuantizationType */
-       GGML_Q8_0 = 8 };
+       GGML_Q8_0 = 8, GGML_IQ4_NL = 20 };
 
 INLINE QTARGET float fp16(const uint8_t *p) {
     uint16_t h;
@@ -190,6 +193,45 @@ INLINE QTARGET void tile_q8_0(TILE_PARAMS) {
     for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
 }
 
+/* IQ4_NL: Q4_0's layout, each nibble standing for KVALUES[nibble] (gguf-py: IQ4_NL.kvalues),
+ * a signed byte: one vpshufb looks up a vector's 32 low (or high) nibbles at once, then
+ * Q8_0's products (|value| <= 127, so each pair's sum fits s16; widened per quad). */
+INLINE QTARGET void tile_iq4_nl(TILE_PARAMS) {
+    (void)sx;
+    const __m256i table = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10,
+                                           1, 13, 25, 38, 53, 69, 89, 113,
+                                           -127, -104, -83, -65, -49, -35, -22, -10,
+                                           1, 13, 25, 38, 53, 69, 89, 113);
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * 144;
+        _mm_prefetch((const char *)(blk + 8 * 144), _MM_HINT_T0);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m256i lo[4], hi[4];
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+            lo[c] = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low));
+            hi[c] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+        }
+        for (int i = 0; i < mr; i++) {
+            const int8_t *x = xq + i * K + b * QK;
+            __m256i s = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                const __m256i xl = bcast4(x + 4 * c), xh = bcast4(x + 16 + 4 * c);
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                    _mm256_sign_epi8(lo[c], lo[c]), _mm256_sign_epi8(xl, lo[c])), ones));
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                    _mm256_sign_epi8(hi[c], hi[c]), _mm256_sign_epi8(xh, hi[c])), ones));
+            }
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
+                                     _mm256_mul_ps(d, _mm256_set1_ps(dx[i * nb + b])), acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
+}
+
 /* Every mr gets its own unrolled copy, so the accumulators stay in registers. */
 #define TILE_SWITCH(call)                                                       \
     switch (mr) {                                                               \
@@ -208,7 +250,7 @@ static __thread size_t scratch_size;
 static int64_t group_block_bytes(int type) {
     switch (type) {
         case GGML_Q8_0: return 272;
-        case GGML_Q4_0: return 144;
+        case GGML_Q4_0: case GGML_IQ4_NL: return 144;
         case GGML_Q4_1: return 160;
         case GGML_Q5_0: return 176;
         case GGML_Q5_1: return 192;
@@ -254,6 +296,8 @@ QTARGET int zs_linear_quant(int type, const float *x, int64_t M, int64_t K, cons
                     TILE_SWITCH(tile_q4(1, 0, mr_, wg, nb, xt, K, dt, st, out))
                 } else if (type == GGML_Q4_0) {
                     TILE_SWITCH(tile_q4(0, 0, mr_, wg, nb, xt, K, dt, st, out))
+                } else if (type == GGML_IQ4_NL) {
+                    TILE_SWITCH(tile_iq4_nl(mr_, wg, nb, xt, K, dt, st, out))
                 } else if (type == GGML_Q5_1) {
                     TILE_SWITCH(tile_q4(1, 1, mr_, wg, nb, xt, K, dt, st, out))
                 } else {
