@@ -18,18 +18,19 @@ decode.c alike):
   header). The output is the dequantized layer's up to float32 rounding, so greedy output
   is the dequantized model's. Every type at every M, except:
 - quant.c, x rounded to int8 per block of 32 (relative ~1e-3 of a typical output), for
-  Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL parts in model steps that run at least `int8_batch` requests together
-  (--int8-activation-batch, default INT8_BATCH = 32: large batches, llama.cpp's
-  arithmetic). The batch is the step's number of requests (`step_batch`, which the
-  scheduler's runner sets around each step; M rows of x for a call outside a step), so a
+  Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL parts in model steps that run at least
+  `int8_batch` requests together (--int8-activation-batch, default INT8_BATCH = 32: large
+  batches, llama.cpp's arithmetic). The batch is the step's number of requests
+  (`step_batch`, which the scheduler's runner sets around each step; M rows of x for a
+  call outside a step), so a
   request served alone, or with a few others, is the dequantized model's whatever its
   prompt's length: a 37-token chat prompt prefilled in int8 and decoded in float turned
   the default model's "Paris" into a list of French words. quant.c's integer multiply-adds
   take four pairs a lane where float takes one: on AVX2 about twice as fast a row from 8
   rows of x on, and 1.3x at one row (0.036 against 0.046 ns a Q4_1 weight, two cores).
 Every part is kept regrouped 8 output rows at a time (`regroup`: the file's bytes, reordered
-so that each weight's 8 rows load into the 8 lanes of one vector); for those three types
-that is quant.c's layout, so one copy serves both kernels.
+so that each weight's 8 rows load into the 8 lanes of one vector); for quant.c's types
+(INT8_TYPES) that is quant.c's layout, so one copy serves both kernels.
 
 x and y are float32 for the kernels; another model dtype (bfloat16) is cast around them.
 Only where kernels.avx2_available(cpu); elsewhere the loader dequantizes (loader.py).
@@ -37,14 +38,13 @@ Only where kernels.avx2_available(cpu); elsewhere the loader dequantizes (loader
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch import nn
-
-import contextlib
 
 from models import kernels
 from wire.server_args import INT8_BATCH   # the batch from which INT8_TYPES take quant.c
@@ -102,8 +102,8 @@ def regroup(qtype: str, blocks: torch.Tensor) -> torch.Tensor:
     rows to a multiple of 8), flat uint8, the same bytes reordered: a group's blocks in
     order, each block's fields one after another, a field of B bytes as B / w units of w
     bytes (w = 2 for the fp16 scales, else 4) with unit c of rows 0..7 side by side. For
-    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL this is quant.c's layout (its header comment), so one copy serves
-    both kernels; blocks.c reads every type from it (blocks_impl.h). One exception to "the
+    INT8_TYPES this is quant.c's layout (its header comment), so one copy serves both
+    kernels; blocks.c reads every type from it (blocks_impl.h). One exception to "the
     same bytes": a Q5_0 / Q5_1 block's 32 fifth bits are reordered within their uint32
     (qh_bit), so that blocks.c finds a unit's eight beside its nibbles."""
     n, row = blocks.shape

@@ -1,19 +1,20 @@
 """The float-activation kernel on GGUF's blocks (models/kernels/blocks.c) and the rule that
 picks it (QuantLinear, zs_linear_parts): every block type against the gguf library's
-dequantize-then-matmul, on each ISA this machine has; the 8-row groups every part is kept
-in (regroup) read back as gguf's values; a fused layer of parts in different types; which
+dequantize-then-matmul, on each ISA this machine has; the 8-row groups every part is kept in
+(regroup) read back as gguf's values; a fused layer of parts in different types; which
 kernel takes which M.
 
 The kernel multiplies x as it is by weights w = d * q + m (a sub-block's scale d and offset
-m, the code q: OFFSET_CODES below), in one of two ways: tiles of several rows of x take
-each weight dequantized exactly as gguf.quants.dequantize gives it; a row alone (batch-1
-decode) takes d * sum(q x) + m * sum(x) per sub-block, the same real number with other
-roundings. Either is a sum of at most 2K terms of magnitude |x_i| (|d q_i| + |m_i|), each
-product and sum rounded once, in some order, plus at most two roundings of each weight in
-gguf's float32 values: |error| <= 2K * u * sum |x_i| (|d q_i| + |m_i|) to first order, with
-u = 2^-24, and |d q_i| <= |w_i| + |m_i|; the bound below is K * 2^-22 * sum |x_i| (|w_i| +
-2 |m_i|). m is 0 where no offset is taken apart: IQ4_NL and IQ4_XS have none (their row
-form takes only the scale apart), Q2_K and Q3_K have the tiles' form only. A wrong layout moves outputs by the size of the terms themselves, far past that.
+m, the code q: OFFSET_CODES below), in one of two ways: tiles of several rows of x take each
+weight dequantized exactly as gguf.quants.dequantize gives it; a row alone (batch-1 decode)
+takes d * sum(q x) + m * sum(x) per sub-block, the same real number with other roundings.
+Either is a sum of at most 2K terms of magnitude |x_i| (|d q_i| + |m_i|), each product and
+sum rounded once, in some order, plus at most two roundings of each weight in gguf's float32
+values: |error| <= 2K * u * sum |x_i| (|d q_i| + |m_i|) to first order, with u = 2^-24, and
+|d q_i| <= |w_i| + |m_i|; the bound below is K * 2^-22 * sum |x_i| (|w_i| + 2 |m_i|). m is 0
+where no offset is taken apart: IQ4_NL and IQ4_XS have none (their row form takes only the
+scale apart), Q2_K and Q3_K have the tiles' form only. A wrong layout moves outputs by the
+size of the terms themselves, far past that.
 """
 
 from __future__ import annotations

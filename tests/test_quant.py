@@ -4,7 +4,8 @@ float-activation kernel that serves small batches, has tests/test_blocks.py).
 
 quant.c quantizes x to int8 per block of 32 (as llama.cpp does), so its outputs differ
 from dequantize-then-matmul by x's rounding only; the kernel tests here ask QuantLinear for
-it at every M (int8_batch=1), the model tests run prefills of 64 tokens (past INT8_BATCH). Two kinds of check follow from that:
+it at every M (int8_batch=1), the model tests run prefills of 64 tokens (past INT8_BATCH,
+outside a model step: the rule counts rows there). Two kinds of check follow from that:
 - x that int8 represents exactly (each block a scale times integers up to 127, one of them
   127): the kernel must equal float64 dequantize-then-matmul to float32 summation error;
 - any x: the error must stay within the rounding bound, sum over blocks of

@@ -75,11 +75,12 @@ def flag_type(annotation) -> type:
 
 QUANTIZATIONS = ("none", "gguf", "int8")                 # what --quantization resolves to
 # --int8-activation-batch' default: model steps that run at least this many requests
-# together take the int8 kernel in Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL layers (models/quant_linear.py: the
-# rule); smaller ones (a request alone, a few streams, whatever the prompts' lengths)
-# multiply float activations: the dequantized model's output. From 8 rows of x on the int8
-# kernel is about twice as fast a row (AVX2: integer multiply-adds take four pairs a lane
-# where float takes one), and a large batch's throughput is what it is for.
+# together take the int8 kernel in Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL layers
+# (models/quant_linear.py: the rule); smaller ones (a request alone, a few streams,
+# whatever the prompts' lengths) multiply float activations: the dequantized model's
+# output. From 8 rows of x on the int8 kernel is about twice as fast a row (AVX2: integer
+# multiply-adds take four pairs a lane where float takes one), and a large batch's
+# throughput is what it is for.
 INT8_BATCH = 32
 
 
