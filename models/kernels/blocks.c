@@ -120,33 +120,33 @@ static __thread float *tiles;               /* x_tiles' buffer: only grows */
 static __thread size_t tiles_size;
 
 /* x [M, K] as its tiles of tile_rows rows, each transposed to [K][rows] (so that a tile's
- * values for one position are adjacent: blocks_impl.h's FMA_ROWS reads them so); each
- * row's sums of 16 values (*sums: [M][K / 16]); and where the last tile is one row (M
- * odd), that row spread, each value 8 times (*spread: [K][8]): the row kernels'
- * (group_row) operands. In a per-thread buffer; the tiles are x itself when M = 1 (a tile
- * of one row is the row). NULL: no memory. K is a multiple of 32 (every block type's). */
+ * values for one position are adjacent: blocks_impl.h's FMA_ROWS reads them so); and where
+ * the last tile is one row (M odd: tile_rows leaves at most one such tile, the last), that
+ * row's operands for the row kernels (group_row): *spread, the row with each value 8 times
+ * ([K][8]), and *sums, its sums of 16 values ([K / 16]); both NULL for an even M. In a
+ * per-thread buffer; the tiles are x itself when M = 1 (a tile of one row is the row).
+ * NULL: no memory. K is a multiple of 32 (every block type's). */
 static const float *x_tiles(const float *x, int64_t M, int64_t K, const float **sums,
                             const float **spread) {
-    const int64_t nsum = M * (K / 16), nspread = M % 2 ? 8 * K : 0;
-    const size_t need = (size_t)(M * K + nsum + nspread) * sizeof(float);
+    const int64_t nrow = M % 2 ? 8 * K + K / 16 : 0;
+    const size_t need = (size_t)(M * K + nrow) * sizeof(float);
     if (need > tiles_size) {
         float *grown = realloc(tiles, need);
         if (grown == NULL) return NULL;
         tiles = grown, tiles_size = need;
     }
-    float *s = tiles + M * K, *sp = s + nsum;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t i = 0; i < K / 16; i++) {
-            float acc = 0.0f;
-            for (int j = 0; j < 16; j++) acc += x[m * K + 16 * i + j];
-            s[m * (K / 16) + i] = acc;
-        }
-    *sums = s;
-    *spread = nspread ? sp : NULL;
-    if (nspread) {
+    *spread = *sums = NULL;
+    if (nrow) {
         const float *last = x + (M - 1) * K;
+        float *sp = tiles + M * K, *s = sp + 8 * K;
         for (int64_t k = 0; k < K; k++)
             for (int l = 0; l < 8; l++) sp[8 * k + l] = last[k];
+        for (int64_t i = 0; i < K / 16; i++) {
+            float acc = 0.0f;
+            for (int j = 0; j < 16; j++) acc += last[16 * i + j];
+            s[i] = acc;
+        }
+        *spread = sp, *sums = s;
     }
     if (M <= 1) return x;
     for (int64_t m0 = 0; m0 < M;) {
@@ -182,9 +182,9 @@ int zs_linear_quant(int type, const float *x, int64_t M, int64_t K, const uint8_
  * layer whose GGUF tensors differ in type, e.g. Q4_K_M's q/k in Q4_K and v in Q6_K, keeps
  * each in its own): part p gives outputs [the earlier parts' rows, + rows).
  * models/quant_linear.py fills it (QuantLinear.c_blocks) and decode.c calls through it, so
- * both take the same kernel in the same step, by one rule: parts with `int8` set (Q4_0,
- * Q4_1, Q8_0, whose groups are quant.c's layout too) take quant.c's int8 kernel where the
- * batch is at least int8_batch; every other part and batch takes blocks.c's float kernel,
+ * both take the same kernel in the same step, by one rule: parts with `int8` set (quant.c's
+ * types, quant_linear.INT8_TYPES, whose groups are quant.c's layout too) take quant.c's
+ * int8 kernel where the batch is at least int8_batch; every other part and batch takes blocks.c's float kernel,
  * AVX-512 or AVX2 as `avx512` says (kernels.available, the one rule for the ISA). The
  * batch is the model step's number of requests (step_batch, set around each step by the
  * scheduler's runner: quant_linear.step_batch), so a request alone is computed the same
@@ -220,10 +220,8 @@ int zs_linear_parts(const ZsBlocks *L, const float *x, int64_t M, int64_t K,
         } else {
             if (block_bytes((int)q->type) == 0 || K % block_values((int)q->type)) return -1;
             if (xs == NULL && (xs = x_tiles(x, M, K, &sums, &spread)) == NULL) return -1;
-            if (L->avx512)
-                linear_tiles_avx512((int)q->type, xs, sums, spread, M, K, q->weight, q->rows, b, y + off, N);
-            else
-                linear_tiles_avx2((int)q->type, xs, sums, spread, M, K, q->weight, q->rows, b, y + off, N);
+            (L->avx512 ? linear_tiles_avx512 : linear_tiles_avx2)(
+                (int)q->type, xs, sums, spread, M, K, q->weight, q->rows, b, y + off, N);
         }
         off += q->rows;
     }

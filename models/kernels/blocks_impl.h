@@ -375,12 +375,8 @@ INLINE BT void SFX(block_q6_k)(const uint8_t *gb, const int mr, const float *xt,
  * (16 bytes: a row's uint16 each), scales_l (one unit), qs (32 units) at 64; sub-block i's
  * value 16s + l is nibble s of qs byte 16i + l. */
 INLINE BT __m256i SFX(kvalue)(__m256i q) {
-    const __m256i table = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10,
-                                           1, 13, 25, 38, 53, 69, 89, 113,
-                                           -127, -104, -83, -65, -49, -35, -22, -10,
-                                           1, 13, 25, 38, 53, 69, 89, 113);
     /* the index in each lane's low byte; 0x80 zeroes the other three */
-    const __m256i v = _mm256_shuffle_epi8(table, _mm256_or_si256(q, _mm256_set1_epi32((int)0x80808000u)));
+    const __m256i v = iq4_values(_mm256_or_si256(q, _mm256_set1_epi32((int)0x80808000u)));
     return _mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24);
 }
 
@@ -557,6 +553,18 @@ INLINE BT __m256 SFX(scaled_sum)(const __m256 *s) {
 
 #define ZERO8(s) for (int i_ = 0; i_ < 8; i_++) s[i_] = _mm256_setzero_ps();
 
+INLINE BT __m256 SFX(sum8)(const __m256 *s) {            /* the 8 chains, added in a tree */
+    return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(s[0], s[1]), _mm256_add_ps(s[2], s[3])),
+                         _mm256_add_ps(_mm256_add_ps(s[4], s[5]), _mm256_add_ps(s[6], s[7])));
+}
+
+/* Lane byte t (a signed code) at bits 24..31: the code times 2^24, exact in float. */
+INLINE BT __m256i SFX(byte_top)(__m256i v, int t) {
+    const __m256i top = _mm256_set1_epi32((int)0xFF000000u);
+    return t == 0 ? _mm256_slli_epi32(v, 24)
+                  : _mm256_and_si256(t == 3 ? v : _mm256_slli_epi32(v, 24 - 8 * t), top);
+}
+
 /* Q4_0, Q4_1, Q5_0, Q5_1 (block_q4's fields): value 4c + t is nibble 2t of qs unit c,
  * value 4c + t + 16 nibble 2t + 1. Q5: qh's bits in QH_BIT's order put unit c's eight
  * fifth bits at bits c (low nibbles) and 4 + c (high ones) of each lane byte, so two
@@ -608,23 +616,20 @@ INLINE BT __m256 SFX(row_q4)(const int type, const uint8_t *gb, const float *x,
     return _mm256_fmadd_ps(m, _mm256_set1_ps(xs[0] + xs[1]), acc);
 }
 
-/* Q8_0: byte t of a lane moved to the top (q * 2^24, exact in float), d * 2^-24 after. */
+/* Q8_0: byte t of a lane moved to the top (byte_top), d * 2^-24 after. */
 INLINE BT __m256 SFX(row_q8_0)(const uint8_t *gb, const float *x, __m256 acc) {
-    const __m256i top = _mm256_set1_epi32((int)0xFF000000u);
     __m256 s[8];
     ZERO8(s)
     _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(gb + 16 + 32 * c));
         _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
-            const __m256i q = t == 0 ? _mm256_slli_epi32(v, 24)
-                                     : _mm256_and_si256(t == 3 ? v : _mm256_slli_epi32(v, 24 - 8 * t), top);
             const int k = t + 4 * (c & 1);
-            s[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), SFX(xv)(x, 4 * c + t), s[k]);
+            s[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(SFX(byte_top)(v, t)),
+                                   SFX(xv)(x, 4 * c + t), s[k]);
         }
     }
-    const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(s[0], s[1]), _mm256_add_ps(s[2], s[3])),
-                                     _mm256_add_ps(_mm256_add_ps(s[4], s[5]), _mm256_add_ps(s[6], s[7])));
-    return _mm256_fmadd_ps(_mm256_mul_ps(SFX(f16x8)(gb), _mm256_set1_ps(0x1p-24f)), sum, acc);
+    return _mm256_fmadd_ps(_mm256_mul_ps(SFX(f16x8)(gb), _mm256_set1_ps(0x1p-24f)),
+                           SFX(sum8)(s), acc);
 }
 
 /* Byte j (< 4) of each lane, as int32. */
@@ -743,23 +748,10 @@ INLINE BT __m256 SFX(row_q6_k)(const uint8_t *gb, const float *x, const float *x
 }
 
 /* IQ4_NL and IQ4_XS: one byte shuffle looks up the 16 values of a unit's four low (or
- * high) nibbles at once, as signed bytes; each byte is then moved to the top of its lane
- * (value * 2^24, exact in float, Q8_0's way) and the 2^-24 joins the scale. 32 values from
+ * high) nibbles at once, as signed bytes (simd.h: iq4_values); each byte is then moved to
+ * the top of its lane (byte_top, Q8_0's way) and the 2^-24 joins the scale. 32 values from
  * four units: value 4c + t is the low nibble of lane byte t of unit c, 4c + t + 16 the
  * high one. */
-INLINE BT __m256i SFX(kv_bytes)(__m256i nibbles) {     /* 0x0F-masked bytes -> KVALUES */
-    const __m256i table = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10,
-                                           1, 13, 25, 38, 53, 69, 89, 113,
-                                           -127, -104, -83, -65, -49, -35, -22, -10,
-                                           1, 13, 25, 38, 53, 69, 89, 113);
-    return _mm256_shuffle_epi8(table, nibbles);
-}
-
-INLINE BT __m256i SFX(byte_top)(__m256i v, int t) {    /* lane byte t at bits 24..31 */
-    const __m256i top = _mm256_set1_epi32((int)0xFF000000u);
-    return t == 0 ? _mm256_slli_epi32(v, 24)
-                  : _mm256_and_si256(t == 3 ? v : _mm256_slli_epi32(v, 24 - 8 * t), top);
-}
 
 /* sum over 32 values of KVALUES[q] * x, times 2^24 (four units at qs, x spread) */
 INLINE BT __m256 SFX(iq4_sum32)(const uint8_t *qs, const float *x) {
@@ -768,8 +760,8 @@ INLINE BT __m256 SFX(iq4_sum32)(const uint8_t *qs, const float *x) {
     ZERO8(s)
     _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-        const __m256i lo = SFX(kv_bytes)(_mm256_and_si256(v, low));
-        const __m256i hi = SFX(kv_bytes)(_mm256_and_si256(_mm256_srli_epi32(v, 4), low));
+        const __m256i lo = iq4_values(_mm256_and_si256(v, low));
+        const __m256i hi = iq4_values(_mm256_and_si256(_mm256_srli_epi32(v, 4), low));
         _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
             s[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(SFX(byte_top)(lo, t)),
                                    SFX(xv)(x, 4 * c + t), s[t]);
@@ -777,8 +769,7 @@ INLINE BT __m256 SFX(iq4_sum32)(const uint8_t *qs, const float *x) {
                                        SFX(xv)(x, 4 * c + t + 16), s[4 + t]);
         }
     }
-    return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(s[0], s[1]), _mm256_add_ps(s[2], s[3])),
-                         _mm256_add_ps(_mm256_add_ps(s[4], s[5]), _mm256_add_ps(s[6], s[7])));
+    return SFX(sum8)(s);
 }
 
 /* IQ4_NL (block_iq4_nl's fields): d, then qs's four units. */
@@ -879,15 +870,14 @@ INLINE BT void SFX(group_tile)(int type, const uint8_t *g, int64_t nb, int64_t b
 }
 
 /* y[m * ldy + n] = x[m] . W[n] (+ bias[n]) for m < M, n < N, with x given as its tiles
- * its rows' sums of 16 and its last row spread if that row is a tile of its own (blocks.c:
- * x_tiles) and W's N rows as `type` blocks in groups
- * of 8 (above). Threads split the groups; each takes the tiles of x in turn, every weight
- * dequantized once per tile in registers; a tile of one row takes group_row where the
- * type has it. */
+ * (and, where the last row is a tile of its own, that row spread and its sums of 16:
+ * blocks.c, x_tiles) and W's N rows as `type` blocks in groups of 8 (above). Threads
+ * split the groups; each takes the tiles of x in turn, every weight dequantized once per
+ * tile in registers; a tile of one row takes group_row where the type has it. */
 static BT void SFX(linear_tiles)(int type, const float *xt, const float *sums,
-                                  const float *spread, int64_t M,
-                                  int64_t K, const uint8_t *w, int64_t N, const float *bias,
-                                  float *y, int64_t ldy) {
+                                  const float *spread, int64_t M, int64_t K,
+                                  const uint8_t *w, int64_t N, const float *bias, float *y,
+                                  int64_t ldy) {
     const int64_t qb = block_values(type), bs = block_bytes(type), nb = K / qb;
     const int64_t groups = (N + 7) / 8;
     const int row = SFX(has_row)(type);
@@ -902,7 +892,7 @@ static BT void SFX(linear_tiles)(int type, const float *xt, const float *sums,
             if (mr == 8) SFX(group_tile)(type, g, nb, bs, qb, tile, 8, out);
             else if (mr == 4) SFX(group_tile)(type, g, nb, bs, qb, tile, 4, out);
             else if (mr == 2) SFX(group_tile)(type, g, nb, bs, qb, tile, 2, out);
-            else if (row) SFX(group_row)(type, g, nb, bs, qb, spread, sums + m0 * (K / 16), out[0]);
+            else if (row) SFX(group_row)(type, g, nb, bs, qb, spread, sums, out[0]);
             else SFX(group_tile)(type, g, nb, bs, qb, tile, 1, out);
             for (int m = 0; m < mr; m++) {
                 float *ym = y + (m0 + m) * ldy + n0;

@@ -198,10 +198,6 @@ INLINE QTARGET void tile_q8_0(TILE_PARAMS) {
  * Q8_0's products (|value| <= 127, so each pair's sum fits s16; widened per quad). */
 INLINE QTARGET void tile_iq4_nl(TILE_PARAMS) {
     (void)sx;
-    const __m256i table = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10,
-                                           1, 13, 25, 38, 53, 69, 89, 113,
-                                           -127, -104, -83, -65, -49, -35, -22, -10,
-                                           1, 13, 25, 38, 53, 69, 89, 113);
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
@@ -212,8 +208,8 @@ INLINE QTARGET void tile_iq4_nl(TILE_PARAMS) {
         __m256i lo[4], hi[4];
         for (int c = 0; c < 4; c++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
-            lo[c] = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low));
-            hi[c] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+            lo[c] = iq4_values(_mm256_and_si256(v, low));
+            hi[c] = iq4_values(_mm256_and_si256(_mm256_srli_epi16(v, 4), low));
         }
         for (int i = 0; i < mr; i++) {
             const int8_t *x = xq + i * K + b * QK;
