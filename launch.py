@@ -93,10 +93,13 @@ def resolve_args(args: ServerArgs) -> ServerConfig:
                     "of %d instead of %d", window, window, context)
         context = window
     quantization = resolve_quantization(args, is_gguf)
+    dtype = concrete_dtype(args.dtype, args.device)
     return ServerConfig(args, model_path=path, tokenizer_path=args.tokenizer_path or path,
                         served_model_name=name or path, context_length=context,
-                        dtype=concrete_dtype(args.dtype, args.device), model=facts,
-                        model_source=source, quantization=quantization)
+                        dtype=dtype, model=facts, model_source=source,
+                        quantization=quantization,
+                        kv_cache_dtype=(dtype if args.kv_cache_dtype == "auto"
+                                        else args.kv_cache_dtype))
 
 
 def resolve_quantization(args: ServerArgs, is_gguf: bool) -> str:

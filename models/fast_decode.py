@@ -35,13 +35,13 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", _Linear), ("o", _Linear),
-                ("gate_up", _Linear), ("down", _Linear), ("kv", _p)]
+                ("gate_up", _Linear), ("down", _Linear), ("kv", _p), ("kv_scales", _p)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [("layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
                 ("head_dim", _i64), ("inter", _i64), ("eps", _f), ("scale", _f),
-                ("avx512", _i64), ("bf16", _i64), ("cos_sin", _p),
+                ("avx512", _i64), ("bf16", _i64), ("kv_kind", _i64), ("cos_sin", _p),
                 ("layer", ctypes.POINTER(_Layer))]
 
 
@@ -96,14 +96,14 @@ class FastDecode:
             if any(w.dtype != dtype or not w.is_contiguous() for w in norms):
                 return None
             keep.extend(norms)
-            layers[i] = _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *parts, None)
+            layers[i] = _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *parts, None, None)
         cos_sin = model.cos_sin
         if cos_sin.dtype != dtype or not cos_sin.is_contiguous():
             return None
         keep.append(cos_sin)
         c_model = _Model(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                          c.intermediate_size, c.rms_norm_eps, c.head_dim ** -0.5, int(avx512),
-                         int(dtype == torch.bfloat16), cos_sin.data_ptr(), layers)
+                         int(dtype == torch.bfloat16), 0, cos_sin.data_ptr(), layers)
         return cls(model, c_model, layers, keep)
 
     @staticmethod
@@ -112,6 +112,7 @@ class FastDecode:
         with the int64 contiguous index tensors decode.c reads?"""
         n = positions.shape[0]
         return bool(getattr(attn, "kernel", False) and not attn.prefills
+                    and attn.cache.kind is not None
                     and attn.num_decode == n and n > 0
                     and all(t.dtype == torch.int64 and t.is_contiguous()
                             for t in (positions, attn.table, attn.out_slots,
@@ -119,9 +120,13 @@ class FastDecode:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """CausalLM.forward for such a step: [N] ids and positions -> [N, hidden]."""
-        for i, kv in enumerate(attn.cache.kv):          # every step: cheap, never stale
+        cache = attn.cache
+        for i, kv in enumerate(cache.kv):               # every step: cheap, never stale
             self.layers[i].kv = kv.data_ptr()
+            self.layers[i].kv_scales = (None if cache.scales is None
+                                        else cache.scales[i].data_ptr())
         c = self.c
+        c.kv_kind = cache.kind
         x = self.model.embed_tokens(input_ids)
         m = x.shape[0]
         qw = (c.heads + 2 * c.kv_heads) * c.head_dim

@@ -7,10 +7,13 @@ request-to-token table, with a length mask instead of a Python loop. A prefill s
 tokens starting at position `start` attends to positions 0..start+L-1 causally.
 
 The model calls `attn(layer, q, k, v)`; K/V of this step's tokens are written to their
-slots first, then read back through the table, so a segment sees its cached prefix.
+slots first, then read back through the table, so a segment sees its cached prefix. A
+prompt's chunk with no cached prefix attends its own K/V as computed; everything read from
+the pool has the pool's precision (an int8 pool: rounded per block, pool.quantize_kv).
 
 Decode rows run on our C kernel (kernels/attention.c: reads K/V in place through the table,
-online softmax in float32; AVX-512, else AVX2) where `decode_kernel_fits`;
+float32, bfloat16 or int8 with its scales, online softmax in float32; AVX-512, else AVX2)
+where `decode_kernel_fits`;
 elsewhere (CUDA, other CPUs) they are gathered into a padded [B, T] batch for SDPA with a
 length mask.
 """
@@ -119,13 +122,15 @@ class StepAttention:
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """This step's K/V into their slots; k, v: [N, Hkv, D] views (rows may be strided)."""
-        kv = self.cache.kv[layer]
+        cache = self.cache
         n, hkv, d = k.shape
         if (not self.kernel or k.stride(0) != v.stride(0) or k.stride(1) != d
                 or v.stride(1) != d or k.stride(2) != 1 or v.stride(2) != 1):
-            self.cache.write(layer, self.out_slots, k, v)
+            cache.write(layer, self.out_slots, k, v)
             return
-        kernels.library().zs_kv_write(int(kv.dtype == torch.bfloat16), kv.data_ptr(),
+        scales = None if cache.scales is None else cache.scales[layer].data_ptr()
+        kernels.library().zs_kv_write(int(k.dtype == torch.bfloat16), cache.kind,
+                                      cache.kv[layer].data_ptr(), scales,
                                       self.out_slots.data_ptr(), n, k.data_ptr(),
                                       v.data_ptr(), k.stride(0), hkv * d)
 
@@ -142,7 +147,7 @@ class StepAttention:
         dtype = q.dtype
         upcast = dtype != torch.float32 and q.device.type == "cpu"
         keys, values = self.cache.gather(layer, self.decode.index,     # [B, T, Hkv, D]
-                                         torch.float32 if upcast else None)
+                                         torch.float32 if upcast else dtype)
         if upcast:
             q = q.float()
         o = F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2),
@@ -156,8 +161,10 @@ class StepAttention:
         b, h, d = q.shape
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()
-        kv = self.cache.kv[layer]
+        cache = self.cache
+        kv = cache.kv[layer]
+        scales = None if cache.scales is None else cache.scales[layer].data_ptr()
         _decode_function(q.device.type, q.dtype)(
-            q.data_ptr(), q.stride(0), kv.data_ptr(), self.table.data_ptr(),
+            cache.kind, q.data_ptr(), q.stride(0), kv.data_ptr(), scales, self.table.data_ptr(),
             self.table.shape[1], self.decode.rows.data_ptr(), self.decode.lens.data_ptr(),
             b, h, kv.shape[2], d, d ** -0.5, out.data_ptr())

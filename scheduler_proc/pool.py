@@ -60,34 +60,87 @@ class TokenPool:
         self._free.extend(slots)
 
 
+# The pool's element kinds, as kernels/attention.c numbers them (KV_F32, KV_BF16, KV_I8).
+KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+# int8 K/V: one float32 scale per KV_BLOCK values of a head (llama.cpp's q8_0 block size).
+KV_BLOCK = 32
+
+
 class KVCache:
     """One buffer per layer of shape [size + 1, 2, num_kv_heads, head_dim]: a slot's K and V
-    sit side by side, so one row gather fetches both (row 0: padding)."""
+    sit side by side, so one row gather fetches both (row 0: padding).
+
+    The buffers hold `kv_dtype` (default: the model's `dtype`): float32, bfloat16 or int8.
+    int8 (--kv-cache-dtype int8) keeps beside each layer's buffer its scales, [size + 1, 2,
+    num_kv_heads, head_dim / KV_BLOCK] float32: a value reads back as int8 * scale
+    (quantize_kv says how they are made). Reads (`gather`) give the model's dtype."""
 
     def __init__(self, num_layers: int, size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str,
+                 kv_dtype: torch.dtype | None = None):
+        self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
+        if self.kv_dtype == torch.int8 and head_dim % KV_BLOCK:
+            raise ValueError(f"an int8 KV cache needs a head size divisible by {KV_BLOCK}; "
+                             f"this model's is {head_dim}: use --kv-cache-dtype auto")
+        device = torch.device(device)
         shape = (size + 1, 2, num_kv_heads, head_dim)
-        self.kv = [zeros(shape, dtype, torch.device(device)) for _ in range(num_layers)]
+        self.kv = [zeros(shape, self.kv_dtype, device) for _ in range(num_layers)]
+        self.scales: list[torch.Tensor] | None = None
+        if self.kv_dtype == torch.int8:
+            self.scales = [zeros((*shape[:3], head_dim // KV_BLOCK), torch.float32, device)
+                           for _ in range(num_layers)]
+
+    @property
+    def kind(self) -> int | None:
+        """attention.c's number for the buffers' element kind; None: torch only."""
+        return KV_KINDS.get(self.kv_dtype)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         buf = self.kv[layer]
-        buf[:, 0].index_copy_(0, slots, k)
-        buf[:, 1].index_copy_(0, slots, v)
+        for i, x in enumerate((k, v)):
+            if self.scales is None:
+                buf[:, i].index_copy_(0, slots, x.to(buf.dtype))
+            else:
+                q, scale = quantize_kv(x)
+                buf[:, i].index_copy_(0, slots, q)
+                self.scales[layer][:, i].index_copy_(0, slots, scale)
 
     def gather(self, layer: int, slots: torch.Tensor,
                dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `slots` (any shape S...): two [*S, num_kv_heads, head_dim] views,
-        converted to `dtype` in one pass if given."""
-        rows = self.kv[layer].index_select(0, slots.reshape(-1))
-        if dtype is not None:
-            rows = rows.to(dtype)
+        """K and V of `slots` (any shape S...): two [*S, num_kv_heads, head_dim] views in
+        `dtype` (default: the model's), converted in one pass."""
+        dtype = dtype or self.dtype
+        flat = slots.reshape(-1)
+        rows = self.kv[layer].index_select(0, flat)
+        if self.scales is not None:
+            scale = self.scales[layer].index_select(0, flat)
+            rows = (rows.unflatten(-1, (-1, KV_BLOCK)).float() * scale[..., None]).flatten(-2)
+        rows = rows.to(dtype)
         rows = rows.view(*slots.shape, *rows.shape[1:])
         return rows.select(-3, 0), rows.select(-3, 1)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        """Pool bytes a token takes in every layer, K and V (int8: with its scales)."""
+        per_value = torch.empty((), dtype=dtype).element_size()
+        values = 2 * num_layers * num_kv_heads * head_dim
+        if dtype == torch.int8:
+            return values + values // KV_BLOCK * 4
+        return values * per_value
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] -> (int8 [..., D], float32 scales [..., D / KV_BLOCK]): per block of KV_BLOCK
+    values, scale = max |x| / 127 and q = x / scale rounded to nearest even (0 where the
+    scale is 0; a NaN's block has a NaN scale and q = 0). The same bits as attention.c's
+    quantize_block, which the kernel path writes with."""
+    xb = x.float().unflatten(-1, (-1, KV_BLOCK))
+    scale = xb.abs().amax(-1) / 127
+    d = scale[..., None]
+    q = torch.where(d > 0, xb / d, 0.0).round_().nan_to_num_(0.0).clamp_(-127, 127)
+    return q.to(torch.int8).flatten(-2), scale
 
 
 class ReqToToken:

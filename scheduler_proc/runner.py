@@ -119,6 +119,7 @@ class ModelRunner:
         self.device = (torch.device(args.device) if tp.size == 1
                        else rank_device(args.device, tp.rank))
         self.dtype: torch.dtype = getattr(torch, resolved.dtype)
+        self.kv_dtype: torch.dtype = getattr(torch, resolved.kv_dtype)
         self.config = ModelConfig.from_dir(resolved.model_path)     # the whole model's
         self.context_len = resolved.context_length
         self.model = load_model(resolved.model_path, self.dtype, self.device, tp=tp,
@@ -130,20 +131,21 @@ class ModelRunner:
         if tp.size > 1:
             self.pool_size = tp.all_reduce_min(self.pool_size)
         self.cache = KVCache(c.num_layers, self.pool_size, c.num_kv_heads, c.head_dim,
-                             self.dtype, self.device)
+                             self.dtype, self.device, self.kv_dtype)
         self.decode_kernel = decode_kernel_fits(self.device, self.dtype, c.num_heads,
-                                                c.num_kv_heads, c.head_dim)
+                                                c.num_kv_heads, c.head_dim, self.kv_dtype)
         self.table_log: list[TableWrite] | None = None     # rank 0 under TP: share_table
         torch.manual_seed(args.random_seed)
-        log.info("model %s (%s) on %s/%s, KV pool %d tokens, decode attention on %s%s",
+        log.info("model %s (%s) on %s/%s, KV pool %d tokens (%s), decode attention on %s%s",
                  resolved.model_path, c.architecture, self.device, self.dtype, self.pool_size,
+                 resolved.kv_dtype,
                  "zserve's CPU kernel" if self.decode_kernel else "SDPA",
                  f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "")
 
     def _default_pool_size(self, args: ServerArgs) -> int:
         c = self.model.config
         per_token = KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim,
-                                            self.dtype)
+                                            self.kv_dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * args.mem_fraction_static)

@@ -32,17 +32,22 @@ def decode_step(model, cache, table, rows, lens, ids):
     return model(torch.tensor(ids), positions, attn)
 
 
-def both_paths(model, batch: int):
+def both_paths(model, batch: int, kv_dtype=None):
     """(fast hidden, fast pool), (module hidden, module pool) for one decode step of `batch`
-    rows over random cached K/V."""
+    rows over random cached K/V (a pool of kv_dtype: default, the model's; a pool is its
+    layers' buffers, and for int8 their scales after them)."""
     c = model.config
+    dtype = model.norm.weight.dtype
     results = []
     for fast in (model.fast, None):
         torch.manual_seed(0)
-        cache = KVCache(c.num_layers, 40 * batch, c.num_kv_heads, c.head_dim,
-                        model.norm.weight.dtype, "cpu")
-        for kv in cache.kv:
-            kv.normal_()
+        cache = KVCache(c.num_layers, 40 * batch, c.num_kv_heads, c.head_dim, dtype, "cpu",
+                        kv_dtype)
+        every = torch.arange(40 * batch + 1)
+        for layer in range(c.num_layers):
+            k, v = (torch.randn(len(every), c.num_kv_heads, c.head_dim, dtype=dtype)
+                    for _ in range(2))
+            cache.write(layer, every, k, v)
         table = torch.arange(1, 40 * batch + 1).view(batch, 40)
         rows, lens = list(range(batch))[::-1], [1 + 7 * i % 37 for i in range(batch)]
         ids = torch.randint(5, 700, (batch,)).tolist()
@@ -51,7 +56,7 @@ def both_paths(model, batch: int):
             hidden = decode_step(model, cache, table, rows, lens, ids)
         finally:
             model.fast = saved
-        results.append((hidden, [kv.clone() for kv in cache.kv]))
+        results.append((hidden, [t.clone() for t in cache.kv + (cache.scales or [])]))
     return results
 
 
@@ -77,7 +82,9 @@ def wide_heads(tmp_path_factory):
     ("qwen2", "Q8_0", torch.float32), ("llama", "Q4_1", torch.float32),
     ("llama", "Q4_0", torch.float32)])
 @pytest.mark.parametrize("batch", [1, 5])
-def test_fast_path_equals_module_path(wide_heads, tmp_path, family, qtype, dtype, batch):
+@pytest.mark.parametrize("kv_dtype", [None, torch.bfloat16, torch.int8])
+def test_fast_path_equals_module_path(wide_heads, tmp_path, family, qtype, dtype, batch,
+                                      kv_dtype):
     path = wide_heads(family)
     if qtype is not None:
         path = write_gguf(path, tmp_path / "m.gguf", getattr(gguf.GGMLQuantizationType, qtype))
@@ -85,7 +92,7 @@ def test_fast_path_equals_module_path(wide_heads, tmp_path, family, qtype, dtype
     layer_type = CpuLinear if qtype is None else QuantLinear
     assert isinstance(model.layers[0].self_attn.qkv_proj, layer_type)
     assert model.fast is not None
-    (fast, fast_kv), (slow, slow_kv) = both_paths(model, batch)
+    (fast, fast_kv), (slow, slow_kv) = both_paths(model, batch, kv_dtype)
     assert torch.equal(fast, slow)
     assert all(torch.equal(a, b) for a, b in zip(fast_kv, slow_kv))
     assert fast.abs().max() > 0

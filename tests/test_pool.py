@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from scheduler_proc.pool import KVCache, ReqToToken, TokenPool
+from scheduler_proc.pool import KVCache, ReqToToken, TokenPool, quantize_kv
 
 
 def _check_invariant(pool: TokenPool, owned: set[int]) -> None:
@@ -209,3 +209,70 @@ def test_kv_cache_write_then_gather_returns_what_was_written():
     assert torch.equal(gk[0, 0], k[2]) and torch.equal(gv[0, 1], v[0])
     assert torch.equal(gk[1, 0], k[1]) and not gk[1, 1].any()     # slot 0: padding
     assert not cache.kv[0].any()                                  # other layers untouched
+
+
+# ---- int8 KV (--kv-cache-dtype int8) -------------------------------------------------------
+
+def test_int8_bytes_per_token_counts_the_scales():
+    # 2 * 3 layers * 2 heads * 64 values: one byte each, and a float32 scale per 32 of them.
+    values = 2 * 3 * 2 * 64
+    assert KVCache.bytes_per_token(3, 2, 64, torch.int8) == values + values // 32 * 4
+    cache = KVCache(3, 5, 2, 64, torch.float32, "cpu", torch.int8)
+    total = sum(t.numel() * t.element_size() for t in cache.kv + cache.scales)
+    assert total == 6 * KVCache.bytes_per_token(3, 2, 64, torch.int8)
+    assert cache.kv[0].dtype == torch.int8 and cache.scales[0].shape == (6, 2, 2, 2)
+
+
+def test_int8_needs_whole_blocks_per_head():
+    with pytest.raises(ValueError, match="divisible by 32"):
+        KVCache(1, 4, 2, 48, torch.float32, "cpu", torch.int8)
+
+
+def test_quantize_kv_rounds_each_value_to_half_a_step():
+    """|x - q * scale| <= scale / 2 (q: x / scale rounded to nearest) plus the float32
+    rounding of x / scale and of q * scale, each at most 2^-24 of a value <= max |x| of the
+    block (so 2 * 2^-24 * max|x| * 1.01 for the pair, 1.01 for |q s| <= 127.5 s)."""
+    torch.manual_seed(0)
+    x = torch.randn(7, 3, 64) * torch.logspace(-3, 3, 64)     # blocks of unlike magnitudes
+    x[0, 0, :32] = 0                                          # a block of zeros
+    q, scale = quantize_kv(x)
+    assert q.dtype == torch.int8 and scale.shape == (7, 3, 2)
+    assert q.abs().max() <= 127
+    blocks = x.unflatten(-1, (2, 32))
+    amax = blocks.abs().amax(-1)
+    assert torch.equal(scale, amax / 127)
+    back = q.unflatten(-1, (2, 32)).float() * scale[..., None]
+    bound = scale[..., None] / 2 + 2 * 2 ** -24 * 1.01 * amax[..., None]
+    assert ((back - blocks).abs() <= bound).all()
+    assert not q[0, 0, :32].any() and scale[0, 0, 0] == 0
+    # the largest value of each block is exact up to the rounding of its scale
+    assert (q.unflatten(-1, (2, 32)).abs().amax(-1) == 127).logical_or(amax == 0).all()
+
+
+def test_quantize_kv_keeps_a_nan_in_its_block():
+    x = torch.randn(2, 64)
+    x[1, 40] = float("nan")
+    q, scale = quantize_kv(x)
+    assert scale[1, 1].isnan() and not q[1, 32:].any()       # reads back as NaN
+    assert not scale[0].isnan().any() and not scale[1, 0].isnan()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
+def test_a_pool_of_another_dtype_reads_back_in_the_model_dtype(dtype, kv_dtype):
+    cache = KVCache(2, 10, 3, 64, dtype, "cpu", kv_dtype)
+    k, v = torch.randn(3, 3, 64, dtype=dtype), torch.randn(3, 3, 64, dtype=dtype)
+    slots = torch.tensor([7, 2, 9])
+    cache.write(1, slots, k, v)
+    assert cache.kv[1].dtype == kv_dtype
+    gk, gv = cache.gather(1, torch.tensor([[9, 7], [2, 0]]))
+    assert gk.dtype == gv.dtype == dtype and gk.shape == (2, 2, 3, 64)
+    if kv_dtype == torch.int8:
+        want_k = quantize_kv(k)[0].unflatten(-1, (2, 32)).float() * quantize_kv(k)[1][..., None]
+        want_k = want_k.flatten(-2).to(dtype)
+    else:
+        want_k = k.to(kv_dtype).to(dtype)
+    assert torch.equal(gk[0, 0], want_k[2]) and torch.equal(gk[1, 0], want_k[1])
+    assert not gk[1, 1].any()                                     # slot 0: padding
+    # within half an int8 step (1/254 of a block's largest) or bfloat16's 2^-9 relative
+    assert gv[0, 1].float().sub(v[0].float()).abs().max() <= 0.01 * v[0].float().abs().max()

@@ -10,8 +10,8 @@
     decode.c       every layer of a step of decode rows in one call (models/fast_decode.py)
     simd.h         what they share: float32/bfloat16 loads and stores, exp
 
-The C files are compiled together on first use with the system C compiler (`cc`, about
-3 s) into $ZSERVE_CACHE/kernels/, named by the hash of their sources and flags, and loaded
+The C files are compiled on first use with the system C compiler (`cc`; one file per core
+at a time, about 30 s on 2 cores, blocks.c the longest) into $ZSERVE_CACHE/kernels/, named by the hash of their sources and flags, and loaded
 with ctypes (which releases the GIL for each call). They run their threads on the libgomp
 that torch has already loaded, so torch.set_num_threads holds for them too.
 `available(device, dtype)` is false where the CPU lacks the instructions a dtype's kernels
@@ -31,6 +31,7 @@ elementwise.c's version by that rule; CpuLinear and FastDecode ask `available`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -52,7 +53,7 @@ SOURCES = sorted(HERE.glob("*.c"))
 HEADERS = sorted(HERE.glob("*.h"))
 # No -march: each function names the instructions it needs (simd.h), and available()
 # checks the CPU has them. fp-contract=off: elementwise.c rounds like torch, unfused.
-COMPILE = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off"]
+COMPILE = ["-O3", "-fopenmp", "-fPIC", "-std=gnu11", "-ffp-contract=off"]
 CPU_FLAGS = {torch.float32: frozenset({"avx512f", "avx512bw", "avx512vl"}),
              torch.bfloat16: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})}
 
@@ -63,17 +64,18 @@ SIGNATURES = {
     "zs_linear_bf16": [_p, _i64, _i64, _p, _i64, _p, _p],
     # the same panels on AVX2: (bf16, x, M, K, panels, N, bias or NULL, y)
     "zs_linear_avx2": [_int, _p, _i64, _i64, _p, _i64, _p, _p],
-    # (bf16, q, q row stride, kv, table, ctx, rows, lens, B, H, Hkv, D, scale, out)
-    "zs_decode_attention": [_int, _p, _i64, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64,
-                            _float, _p],
+    # (bf16, KV kind, q, q row stride, kv, int8 scales or NULL, table, ctx, rows, lens, B, H,
+    # Hkv, D, scale, out)
+    "zs_decode_attention": [_int, _int, _p, _i64, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64,
+                            _i64, _float, _p],
     # the same on AVX2, same arguments
-    "zs_decode_attention_avx2": [_int, _p, _i64, _p, _p, _i64, _p, _p, _i64, _i64, _i64,
-                                 _i64, _float, _p],
+    "zs_decode_attention_avx2": [_int, _int, _p, _i64, _p, _p, _p, _i64, _p, _p, _i64, _i64,
+                                 _i64, _i64, _float, _p],
     # (model, M, x, r, positions, table, ctx, rows, lens, slots, y, qkv, att, gu, act) -> 0,
     # or -1: out of memory (decode.c)
     "zs_decode_layers": [_p, _i64, _p, _p, _p, _p, _i64, _p, _p, _p, _p, _p, _p, _p, _p],
-    # (bf16, kv, slots, N, k, v, k/v row stride, Hkv * D)
-    "zs_kv_write": [_int, _p, _p, _i64, _p, _p, _i64, _i64],
+    # (bf16, KV kind, kv, int8 scales or NULL, slots, N, k, v, k/v row stride, Hkv * D)
+    "zs_kv_write": [_int, _int, _p, _p, _p, _i64, _p, _p, _i64, _i64],
     # (bf16, x, residual or NULL, h out or NULL, weight, eps, M, D, y)
     "zs_add_rms_norm": [_int, _p, _p, _p, _p, _float, _i64, _i64, _p],
     # (bf16, x, M, row stride, heads, D, cos_sin, positions)
@@ -124,11 +126,9 @@ def build_library(out_dir: pathlib.Path, cc: str) -> ctypes.CDLL | None:
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
             os.close(fd)
             log.info("compiling zserve's CPU kernels into %s (once per version of their "
-                     "sources: a few seconds)", out_dir)
+                     "sources: about half a minute on 2 cores)", out_dir)
             try:
-                subprocess.run([cc, *COMPILE, "-o", tmp,
-                                *map(str, SOURCES), "-lm"],
-                               check=True, capture_output=True, text=True, timeout=300)
+                compile_into(cc, tmp)
                 os.replace(tmp, lib_path)
             finally:
                 if os.path.exists(tmp):
@@ -142,6 +142,21 @@ def build_library(out_dir: pathlib.Path, cc: str) -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, RESTYPES.get(name)
     return lib
+
+
+def compile_into(cc: str, lib_path: str) -> None:
+    """Compile every source into an object, as many at once as the machine has cores (the
+    largest, blocks.c, takes most of the time), then link them into lib_path."""
+    def run(argv: list[str]) -> None:
+        subprocess.run(argv, check=True, capture_output=True, text=True, timeout=300)
+
+    with tempfile.TemporaryDirectory(prefix="zserve-kernels-") as objs:
+        outs = [os.path.join(objs, src.stem + ".o") for src in SOURCES]
+        jobs = [[cc, *COMPILE, "-c", str(src), "-o", out]
+                for src, out in zip(SOURCES, outs)]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            list(pool.map(run, jobs))               # the first failure raises here
+        run([cc, "-shared", "-fopenmp", "-o", lib_path, *outs, "-lm"])
 
 
 def available(device: torch.device | str, dtype: torch.dtype) -> bool:

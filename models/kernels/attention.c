@@ -3,14 +3,19 @@
  *
  *   q    [B, H, D]               this step's queries (RoPE applied); rows q_stride
  *                                 elements apart, each row's heads contiguous
- *   kv   [slots, 2, Hkv, D]      one layer's pool: K then V of each slot
+ *   kv   [slots, 2, Hkv, D]      one layer's pool: K then V of each slot, of kind `kvk`:
+ *                                 KV_F32, KV_BF16 (either with float32 or bfloat16 q) or
+ *                                 KV_I8 (int8, with one float32 scale per KV_BLOCK values:
+ *   scales [slots, 2, Hkv, D/32]  value = int8 * scale; NULL unless KV_I8)
  *   table[rows, ctx] int64       request-to-slot table; row[b] is row b's request
  *   lens [B] int64               positions to attend (this token's included), >= 1
  *   out  [B, H, D]               softmax(q k^T * scale) v, per head
  *
  * Query head h reads KV head h / (H / Hkv) (grouped-query attention). Softmax is online
- * (flash-decoding style, in blocks of BLOCK positions), all in float32; bfloat16 K/V are
- * widened on load and the output rounded once. D must be 32, 64, 128 or 256 and H at most
+ * (flash-decoding style, in blocks of BLOCK positions), all in float32; bfloat16 and int8
+ * K/V are widened on load and the output rounded once. An int8 key's dot product is summed
+ * per block of KV_BLOCK values, then scaled (one multiply-add per block); a value row's
+ * weight p is multiplied by each block's scale. D must be 32, 64, 128 or 256 and H at most
  * MAX_HEADS (attention.py checks both).
  *
  * Measured at 32 rows of 96 positions, 9/3 heads of 64, float32, 2 threads: 100 us a layer
@@ -26,6 +31,41 @@
 #include "simd.h"
 
 #define BLOCK 64
+enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };   /* the pool's element kinds (pool.py) */
+#define KV_BLOCK 32      /* int8 values per scale */
+
+INLINE int64_t kv_size(const int kvk) { return kvk == KV_F32 ? 4 : kvk == KV_BF16 ? 2 : 1; }
+
+/* 16 K/V values of kind kvk at p as float32 (int8: unscaled). */
+INLINE TARGET __m512 load_kv16(const int kvk, const void *p) {
+    if (kvk == KV_I8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    return load16(kvk == KV_BF16, p, 0xFFFF);
+}
+
+/* q . k over one head (nd vectors of 16), lane-wise (the caller sums the lanes). int8:
+ * each KV_BLOCK's partial sum times its scale ks[b]. */
+INLINE TARGET __m512 kv_dot16(const int kvk, const int nd, const __m512 *qv, const char *k,
+                              const float *ks) {
+    const int64_t kesz = kv_size(kvk);
+    if (kvk != KV_I8) {
+        __m512 dot = _mm512_mul_ps(qv[0], load_kv16(kvk, k));
+        for (int d = 1; d < nd; d++)
+            dot = _mm512_fmadd_ps(qv[d], load_kv16(kvk, k + d * 16 * kesz), dot);
+        return dot;
+    }
+    const int vpb = KV_BLOCK / 16;
+    __m512 dot = _mm512_setzero_ps(), part = _mm512_setzero_ps();
+    for (int d = 0; d < nd; d++) {
+        const __m512 kd = load_kv16(KV_I8, k + d * 16);
+        part = d % vpb ? _mm512_fmadd_ps(qv[d], kd, part) : _mm512_mul_ps(qv[d], kd);
+        if (d % vpb == vpb - 1) {
+            const __m512 sc = _mm512_set1_ps(ks[d / vpb]);
+            dot = d < vpb ? _mm512_mul_ps(part, sc) : _mm512_fmadd_ps(part, sc, dot);
+        }
+    }
+    return dot;
+}
 #define MAX_HEADS 64     /* query heads */
 #define MAX_D 256
 
@@ -55,15 +95,24 @@ INLINE void prefetch_rows(const void *kv, const int64_t *slots, int64_t n, int64
     }
 }
 
+/* The same for the K/V rows of n slots, and their int8 scales (kvk KV_I8). */
+INLINE void prefetch_kv(const int kvk, const void *kv, const float *scales,
+                        const int64_t *slots, int64_t n, int64_t row_bytes, int64_t srow) {
+    prefetch_rows(kv, slots, n, row_bytes);
+    if (kvk == KV_I8) prefetch_rows(scales, slots, n, srow * (int64_t)sizeof(float));
+}
+
 /* Heads [g0, g1) of KV heads of one row. `nd` = D / 16 is a compile-time constant at each
  * call site, so a query head's vectors live in registers. Positions go in blocks: every
  * head takes its turn over a block while the block's K/V rows sit in L1/L2, so each row
  * comes from memory once, front to back. */
-INLINE TARGET void decode_task(const int bf16, const int nd, const void *q, const void *kv,
-                               const int64_t *slots, int64_t len, int64_t H, int64_t Hkv,
-                               int64_t g0, int64_t g1, float scale, void *out) {
-    const int64_t G = H / Hkv, esz = bf16 ? 2 : 4, D = nd * 16;
-    const int64_t row_bytes = 2 * Hkv * D * esz;             /* one slot: K heads, V heads */
+INLINE TARGET void decode_task(const int bf16, const int kvk, const int nd, const void *q,
+                               const void *kv, const float *scales, const int64_t *slots,
+                               int64_t len, int64_t H, int64_t Hkv, int64_t g0, int64_t g1,
+                               float scale, void *out) {
+    const int64_t G = H / Hkv, esz = bf16 ? 2 : 4, D = nd * 16, kesz = kv_size(kvk);
+    const int64_t row_bytes = 2 * Hkv * D * kesz;            /* one slot: K heads, V heads */
+    const int64_t nb = D / KV_BLOCK, srow = 2 * Hkv * nb;    /* int8: a slot's scales */
     __m512 acc[MAX_HEADS][MAX_D / 16];
     float m[MAX_HEADS], l[MAX_HEADS], s[BLOCK];
     for (int64_t h = g0 * G; h < g1 * G; h++) {
@@ -71,17 +120,19 @@ INLINE TARGET void decode_task(const int bf16, const int nd, const void *q, cons
         m[h] = -INFINITY;
         l[h] = 0.0f;
     }
-    prefetch_rows(kv, slots, len < BLOCK ? len : BLOCK, row_bytes);
+    prefetch_kv(kvk, kv, scales, slots, len < BLOCK ? len : BLOCK, row_bytes, srow);
     for (int64_t t0 = 0; t0 < len; t0 += BLOCK) {
         const int64_t n = len - t0 < BLOCK ? len - t0 : BLOCK;
         const int64_t *blk = slots + t0;
         if (t0 + BLOCK < len)            /* the next block streams in while this one runs */
-            prefetch_rows(kv, blk + BLOCK, len - t0 - BLOCK < BLOCK ? len - t0 - BLOCK : BLOCK,
-                          row_bytes);
+            prefetch_kv(kvk, kv, scales, blk + BLOCK,
+                        len - t0 - BLOCK < BLOCK ? len - t0 - BLOCK : BLOCK, row_bytes, srow);
         for (int64_t h = g0 * G; h < g1 * G; h++) {
             const int64_t g = h / G;
-            const char *kbase = (const char *)kv + g * D * esz;
-            const char *vbase = (const char *)kv + (Hkv + g) * D * esz;
+            const char *kbase = (const char *)kv + g * D * kesz;
+            const char *vbase = (const char *)kv + (Hkv + g) * D * kesz;
+            const float *ksb = kvk == KV_I8 ? scales + g * nb : NULL;
+            const float *vsb = kvk == KV_I8 ? scales + (Hkv + g) * nb : NULL;
             const char *qh = (const char *)q + h * D * esz;
             __m512 qv[MAX_D / 16], a[MAX_D / 16];
             for (int d = 0; d < nd; d++)
@@ -92,12 +143,8 @@ INLINE TARGET void decode_task(const int bf16, const int nd, const void *q, cons
                 __m512 dots[16];
                 for (int j = 0; j < 16; j++) {
                     if (j >= cnt) { dots[j] = _mm512_setzero_ps(); continue; }
-                    const char *k = kbase + blk[t + j] * row_bytes;
-                    __m512 dot = _mm512_mul_ps(qv[0], load16(bf16, k, 0xFFFF));
-                    for (int d = 1; d < nd; d++)
-                        dot = _mm512_fmadd_ps(qv[d], load16(bf16, k + d * 16 * esz, 0xFFFF),
-                                              dot);
-                    dots[j] = dot;
+                    dots[j] = kv_dot16(kvk, nd, qv, kbase + blk[t + j] * row_bytes,
+                                       kvk == KV_I8 ? ksb + blk[t + j] * srow : NULL);
                 }
                 _mm512_mask_storeu_ps(s + t, tail_mask(cnt), sum16(dots));
             }
@@ -120,9 +167,16 @@ INLINE TARGET void decode_task(const int bf16, const int nd, const void *q, cons
             for (int d = 0; d < nd; d++) a[d] = _mm512_mul_ps(acc[h][d], _mm512_set1_ps(corr));
             for (int64_t t = 0; t < n; t++) {                 /* p v */
                 const char *v = vbase + blk[t] * row_bytes;
+                if (kvk == KV_I8) {                           /* p times each block's scale */
+                    const float *vs = vsb + blk[t] * srow;
+                    for (int d = 0; d < nd; d++)
+                        a[d] = _mm512_fmadd_ps(_mm512_set1_ps(s[t] * vs[d * 16 / KV_BLOCK]),
+                                               load_kv16(KV_I8, v + d * 16), a[d]);
+                    continue;
+                }
                 const __m512 p = _mm512_set1_ps(s[t]);
                 for (int d = 0; d < nd; d++)
-                    a[d] = _mm512_fmadd_ps(p, load16(bf16, v + d * 16 * esz, 0xFFFF), a[d]);
+                    a[d] = _mm512_fmadd_ps(p, load_kv16(kvk, v + d * 16 * kesz), a[d]);
             }
             for (int d = 0; d < nd; d++) acc[h][d] = a[d];
         }
@@ -145,13 +199,19 @@ static int64_t kv_heads_per_task(int64_t B, int64_t Hkv) {
  * (`lanes` floats a vector): a task is one row's KV heads [g0, g1). The dtype and head size
  * are picked inside the loop: OpenMP outlines the loop body before inlining, so only
  * there do they become constants of each task function copy. */
-#define TASK(task_fn, lanes, bf16_, d_)                                                 \
-    case d_: task_fn(bf16_, d_ / lanes, qb, kv, table + rows[b] * ctx, lens[b], H, Hkv,  \
-                     g0, g1, scale, ob); break;
-#define TASKS(task_fn, lanes, bf16_)                                                    \
+#define TASK(task_fn, lanes, bf16_, kvk_, d_)                                           \
+    case d_: task_fn(bf16_, kvk_, d_ / lanes, qb, kv, scales, table + rows[b] * ctx,    \
+                     lens[b], H, Hkv, g0, g1, scale, ob); break;
+#define TASKS(task_fn, lanes, bf16_, kvk_)                                              \
     switch (D) {                                                                        \
-    TASK(task_fn, lanes, bf16_, 32) TASK(task_fn, lanes, bf16_, 64)                     \
-    TASK(task_fn, lanes, bf16_, 128) TASK(task_fn, lanes, bf16_, 256)                   \
+    TASK(task_fn, lanes, bf16_, kvk_, 32) TASK(task_fn, lanes, bf16_, kvk_, 64)         \
+    TASK(task_fn, lanes, bf16_, kvk_, 128) TASK(task_fn, lanes, bf16_, kvk_, 256)       \
+    }
+#define KINDS(task_fn, lanes, bf16_)                                                    \
+    switch (kvk) {                                                                      \
+    case KV_F32: TASKS(task_fn, lanes, bf16_, KV_F32) break;                            \
+    case KV_BF16: TASKS(task_fn, lanes, bf16_, KV_BF16) break;                          \
+    case KV_I8: TASKS(task_fn, lanes, bf16_, KV_I8) break;                              \
     }
 #define DECODE_ROWS(task_fn, lanes)                                                     \
     {                                                                                   \
@@ -163,28 +223,72 @@ static int64_t kv_heads_per_task(int64_t B, int64_t Hkv) {
             const int64_t g0 = task % tasks_per_row * per_task, g1 = g0 + per_task;     \
             const char *qb = (const char *)q + b * q_stride * esz;                      \
             char *ob = (char *)out + b * H * D * esz;                                   \
-            if (bf16) { TASKS(task_fn, lanes, 1) } else { TASKS(task_fn, lanes, 0) }    \
+            if (bf16) { KINDS(task_fn, lanes, 1) } else { KINDS(task_fn, lanes, 0) }    \
         }                                                                               \
     }
 
-/* bf16: q, kv and out are bfloat16 (else float32); D is one of KERNEL_HEAD_DIMS. */
-TARGET void zs_decode_attention(int bf16, const void *q, int64_t q_stride, const void *kv,
-                                const int64_t *table,
+/* bf16: q and out are bfloat16 (else float32); kvk: the pool's kind (KV_F32, KV_BF16, or
+ * KV_I8 with `scales`, else NULL); D is one of KERNEL_HEAD_DIMS. */
+TARGET void zs_decode_attention(int bf16, int kvk, const void *q, int64_t q_stride,
+                                const void *kv, const float *scales, const int64_t *table,
                                 int64_t ctx, const int64_t *rows, const int64_t *lens,
                                 int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale,
                                 void *out) DECODE_ROWS(decode_task, 16)
 
-/* Write this step's K and V into the pool: kv[slots[i], 0] = k[i], kv[slots[i], 1] = v[i].
- * k and v rows are `stride` elements apart (views into the qkv projection), each row's
- * Hkv * D elements contiguous. One call where torch needs two index_copy_ on views. */
-void zs_kv_write(int bf16, void *kv, const int64_t *slots, int64_t N, const void *k,
-                 const void *v, int64_t stride, int64_t HkvD) {
-    const int64_t esz = bf16 ? 2 : 4, row = HkvD * esz;
+/* Round one block of KV_BLOCK float32 values to int8: scale = max |x| / 127, q = x / scale
+ * rounded to nearest even (adding and taking away 1.5 * 2^23: exact for |x / scale| < 2^22),
+ * clamped to [-127, 127]. A scale of 0 (all zeros) or NaN (a NaN among x) gives q = 0; a NaN
+ * scale reads back as NaN, so a NaN poisons its row as it does in float. pool.py's
+ * quantize_kv computes the same bits in torch. */
+static void quantize_block(const float *x, int8_t *q, float *scale) {
+    float amax = 0.0f;
+    for (int j = 0; j < KV_BLOCK; j++) {
+        const float a = fabsf(x[j]);
+        if (a > amax || a != a) amax = a;           /* a NaN sticks, as in torch's amax */
+    }
+    const float d = amax / 127.0f;
+    *scale = d;
+    for (int j = 0; j < KV_BLOCK; j++) {
+        float r = d > 0.0f ? (x[j] / d + 0x1.8p23f) - 0x1.8p23f : 0.0f;
+        if (r != r) r = 0.0f;                       /* inf / inf */
+        q[j] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+    }
+}
+
+/* n values (a multiple of KV_BLOCK unless kvk is the source's own kind) from src (float32,
+ * or bfloat16 if bf16) into a slot's K or V row of kind kvk (scales: its int8 scales). */
+static void kv_put(int bf16, int kvk, const void *src, void *dst, float *scales, int64_t n) {
+    if (kvk == (bf16 ? KV_BF16 : KV_F32)) {
+        memcpy(dst, src, (size_t)(n * (bf16 ? 2 : 4)));
+        return;
+    }
+    for (int64_t i0 = 0; i0 < n; i0 += KV_BLOCK) {
+        float x[KV_BLOCK];
+        for (int j = 0; j < KV_BLOCK; j++)
+            x[j] = bf16 ? bf16_to_f32(((const uint16_t *)src)[i0 + j])
+                        : ((const float *)src)[i0 + j];
+        if (kvk == KV_F32) memcpy((float *)dst + i0, x, sizeof x);
+        else if (kvk == KV_BF16)
+            for (int j = 0; j < KV_BLOCK; j++) ((uint16_t *)dst)[i0 + j] = f32_to_bf16(x[j]);
+        else quantize_block(x, (int8_t *)dst + i0, scales + i0 / KV_BLOCK);
+    }
+}
+
+/* Write this step's K and V into the pool: kv[slots[i], 0] = k[i], kv[slots[i], 1] = v[i],
+ * converted from the model dtype (bf16: bfloat16, else float32) to the pool's kind kvk
+ * (KV_I8: rounded per block, the scales into `scales`, else NULL). k and v rows are `stride`
+ * elements apart (views into the qkv projection), each row's Hkv * D elements contiguous.
+ * One call where torch needs two index_copy_ on views. */
+void zs_kv_write(int bf16, int kvk, void *kv, float *scales, const int64_t *slots, int64_t N,
+                 const void *k, const void *v, int64_t stride, int64_t HkvD) {
+    const int64_t esz = bf16 ? 2 : 4, row = HkvD * kv_size(kvk), srow = 2 * HkvD / KV_BLOCK;
 #pragma omp parallel for schedule(static) if (N >= 256)
     for (int64_t i = 0; i < N; i++) {
         char *dst = (char *)kv + slots[i] * 2 * row;
-        memcpy(dst, (const char *)k + i * stride * esz, row);
-        memcpy(dst + row, (const char *)v + i * stride * esz, row);
+        float *sc = kvk == KV_I8 ? scales + slots[i] * srow : NULL;
+        kv_put(bf16, kvk, (const char *)k + i * stride * esz, dst, sc, HkvD);
+        kv_put(bf16, kvk, (const char *)v + i * stride * esz, dst + row,
+               sc ? sc + srow / 2 : NULL, HkvD);
     }
 }
 
@@ -193,13 +297,44 @@ void zs_kv_write(int bf16, void *kv, const int64_t *slots, int64_t N, const void
  * sums in float32, the output rounded once. The same blocks, online softmax and task split
  * as above; exp is simd.h's exp8. */
 
+/* load_kv16 and kv_dot16 for AVX2: 8 values, blocks of KV_BLOCK / 8 vectors. */
+INLINE TARGET_AVX2 __m256 load_kv8(const int kvk, const void *p) {
+    if (kvk == KV_I8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    return load8(kvk == KV_BF16, p, 8);
+}
+
+INLINE TARGET_AVX2 __m256 kv_dot8(const int kvk, const int nd, const __m256 *qv,
+                                  const char *k, const float *ks) {
+    const int64_t kesz = kv_size(kvk);
+    if (kvk != KV_I8) {
+        __m256 dot = _mm256_mul_ps(qv[0], load_kv8(kvk, k));
+        for (int d = 1; d < nd; d++)
+            dot = _mm256_fmadd_ps(qv[d], load_kv8(kvk, k + d * 8 * kesz), dot);
+        return dot;
+    }
+    const int vpb = KV_BLOCK / 8;
+    __m256 dot = _mm256_setzero_ps(), part = _mm256_setzero_ps();
+    for (int d = 0; d < nd; d++) {
+        const __m256 kd = load_kv8(KV_I8, k + d * 8);
+        part = d % vpb ? _mm256_fmadd_ps(qv[d], kd, part) : _mm256_mul_ps(qv[d], kd);
+        if (d % vpb == vpb - 1) {
+            const __m256 sc = _mm256_set1_ps(ks[d / vpb]);
+            dot = d < vpb ? _mm256_mul_ps(part, sc) : _mm256_fmadd_ps(part, sc, dot);
+        }
+    }
+    return dot;
+}
+
 /* decode_task for AVX2; nd = D / 8 and bf16 are compile-time constants at each call. */
-INLINE TARGET_AVX2 void decode_task8(const int bf16, const int nd, const void *q,
-                                     const void *kv, const int64_t *slots, int64_t len,
-                                     int64_t H, int64_t Hkv, int64_t g0, int64_t g1,
-                                     float scale, void *out) {
-    const int64_t G = H / Hkv, D = nd * 8, esz = bf16 ? 2 : 4;
-    const int64_t row = 2 * Hkv * D * esz;                   /* bytes per slot */
+INLINE TARGET_AVX2 void decode_task8(const int bf16, const int kvk, const int nd,
+                                     const void *q, const void *kv, const float *scales,
+                                     const int64_t *slots, int64_t len, int64_t H,
+                                     int64_t Hkv, int64_t g0, int64_t g1, float scale,
+                                     void *out) {
+    const int64_t G = H / Hkv, D = nd * 8, esz = bf16 ? 2 : 4, kesz = kv_size(kvk);
+    const int64_t row = 2 * Hkv * D * kesz;                  /* bytes per slot */
+    const int64_t nb = D / KV_BLOCK, srow = 2 * Hkv * nb;    /* int8: a slot's scales */
     const char *kvb = kv;
     float acc[MAX_HEADS][MAX_D], m[MAX_HEADS], l[MAX_HEADS], s[BLOCK + 8];
     for (int64_t h = g0 * G; h < g1 * G; h++) {
@@ -207,27 +342,26 @@ INLINE TARGET_AVX2 void decode_task8(const int bf16, const int nd, const void *q
         m[h] = -INFINITY;
         l[h] = 0.0f;
     }
-    prefetch_rows(kv, slots, len < BLOCK ? len : BLOCK, row);
+    prefetch_kv(kvk, kv, scales, slots, len < BLOCK ? len : BLOCK, row, srow);
     for (int64_t t0 = 0; t0 < len; t0 += BLOCK) {
         const int64_t n = len - t0 < BLOCK ? len - t0 : BLOCK;
         const int64_t *blk = slots + t0;
         if (t0 + BLOCK < len)
-            prefetch_rows(kv, blk + BLOCK, len - t0 - BLOCK < BLOCK ? len - t0 - BLOCK : BLOCK,
-                          row);
+            prefetch_kv(kvk, kv, scales, blk + BLOCK,
+                        len - t0 - BLOCK < BLOCK ? len - t0 - BLOCK : BLOCK, row, srow);
         for (int64_t h = g0 * G; h < g1 * G; h++) {
             const int64_t g = h / G;
-            const char *kbase = kvb + g * D * esz, *vbase = kvb + (Hkv + g) * D * esz;
+            const char *kbase = kvb + g * D * kesz, *vbase = kvb + (Hkv + g) * D * kesz;
+            const float *ksb = kvk == KV_I8 ? scales + g * nb : NULL;
+            const float *vsb = kvk == KV_I8 ? scales + (Hkv + g) * nb : NULL;
             __m256 qv[MAX_D / 8], a[MAX_D / 8];
             for (int d = 0; d < nd; d++)
                 qv[d] = _mm256_mul_ps(load8(bf16, (const char *)q + (h * D + 8 * d) * esz, 8),
                                       _mm256_set1_ps(scale));
             float bm = m[h];
             for (int64_t t = 0; t < n; t++) {                 /* scores */
-                const char *k = kbase + blk[t] * row;
-                __m256 dot = _mm256_mul_ps(qv[0], load8(bf16, k, 8));
-                for (int d = 1; d < nd; d++)
-                    dot = _mm256_fmadd_ps(qv[d], load8(bf16, k + 8 * d * esz, 8), dot);
-                s[t] = hsum8_ps(dot);
+                s[t] = hsum8_ps(kv_dot8(kvk, nd, qv, kbase + blk[t] * row,
+                                        kvk == KV_I8 ? ksb + blk[t] * srow : NULL));
                 bm = s[t] > bm ? s[t] : bm;
             }
             const float corr = expf(m[h] - bm);              /* online softmax */
@@ -246,9 +380,16 @@ INLINE TARGET_AVX2 void decode_task8(const int bf16, const int nd, const void *q
                 a[d] = _mm256_mul_ps(_mm256_loadu_ps(acc[h] + 8 * d), _mm256_set1_ps(corr));
             for (int64_t t = 0; t < n; t++) {                 /* p v */
                 const char *v = vbase + blk[t] * row;
+                if (kvk == KV_I8) {                           /* p times each block's scale */
+                    const float *vs = vsb + blk[t] * srow;
+                    for (int d = 0; d < nd; d++)
+                        a[d] = _mm256_fmadd_ps(_mm256_set1_ps(s[t] * vs[d * 8 / KV_BLOCK]),
+                                               load_kv8(KV_I8, v + 8 * d), a[d]);
+                    continue;
+                }
                 const __m256 p = _mm256_set1_ps(s[t]);
                 for (int d = 0; d < nd; d++)
-                    a[d] = _mm256_fmadd_ps(p, load8(bf16, v + 8 * d * esz, 8), a[d]);
+                    a[d] = _mm256_fmadd_ps(p, load_kv8(kvk, v + 8 * d * kesz), a[d]);
             }
             for (int d = 0; d < nd; d++) _mm256_storeu_ps(acc[h] + 8 * d, a[d]);
         }
@@ -262,8 +403,9 @@ INLINE TARGET_AVX2 void decode_task8(const int bf16, const int nd, const void *q
 }
 
 /* zs_decode_attention's arguments. */
-TARGET_AVX2 void zs_decode_attention_avx2(int bf16, const void *q, int64_t q_stride,
-                                          const void *kv, const int64_t *table, int64_t ctx,
+TARGET_AVX2 void zs_decode_attention_avx2(int bf16, int kvk, const void *q, int64_t q_stride,
+                                          const void *kv, const float *scales,
+                                          const int64_t *table, int64_t ctx,
                                           const int64_t *rows, const int64_t *lens, int64_t B,
                                           int64_t H, int64_t Hkv, int64_t D, float scale,
                                           void *out) DECODE_ROWS(decode_task8, 8)

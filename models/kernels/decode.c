@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "simd.h"
+
 /* The kernels of the other files (compiled into the same library). */
 void zs_linear_f32(const float *x, int64_t M, int64_t K, const float *p, int64_t N,
                    const float *bias, float *y);
@@ -38,16 +40,16 @@ void zs_rope_avx2(int bf16, void *x, int64_t M, int64_t stride, int64_t heads, i
                   const void *cos_sin, const int64_t *pos);
 void zs_silu_mul(int bf16, const void *gu, int64_t M, int64_t I, void *y);
 void zs_silu_mul_avx2(int bf16, const void *gu, int64_t M, int64_t I, void *y);
-void zs_kv_write(int bf16, void *kv, const int64_t *slots, int64_t N, const void *k,
-                 const void *v, int64_t stride, int64_t HkvD);
-void zs_decode_attention(int bf16, const void *q, int64_t q_stride, const void *kv,
-                         const int64_t *table, int64_t ctx, const int64_t *rows,
-                         const int64_t *lens, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                         float scale, void *out);
-void zs_decode_attention_avx2(int bf16, const void *q, int64_t q_stride, const void *kv,
-                              const int64_t *table, int64_t ctx, const int64_t *rows,
-                              const int64_t *lens, int64_t B, int64_t H, int64_t Hkv,
-                              int64_t D, float scale, void *out);
+void zs_kv_write(int bf16, int kvk, void *kv, float *scales, const int64_t *slots, int64_t N,
+                 const void *k, const void *v, int64_t stride, int64_t HkvD);
+void zs_decode_attention(int bf16, int kvk, const void *q, int64_t q_stride, const void *kv,
+                         const float *scales, const int64_t *table, int64_t ctx,
+                         const int64_t *rows, const int64_t *lens, int64_t B, int64_t H,
+                         int64_t Hkv, int64_t D, float scale, void *out);
+void zs_decode_attention_avx2(int bf16, int kvk, const void *q, int64_t q_stride,
+                              const void *kv, const float *scales, const int64_t *table,
+                              int64_t ctx, const int64_t *rows, const int64_t *lens, int64_t B,
+                              int64_t H, int64_t Hkv, int64_t D, float scale, void *out);
 
 /* A linear layer: kind 1 blocks (`weight` is blocks.c's ZsBlocks: float32 models only),
  * 0 panels on AVX2, -1 panels on AVX-512 (linear.c), in the model's dtype. */
@@ -61,13 +63,15 @@ typedef struct {
     const void *input_norm, *post_norm;
     ZsLinear qkv, o, gate_up, down;
     void *kv;                   /* this layer's KV pool */
+    float *kv_scales;           /* and its int8 scales (kv_kind 2), else NULL */
 } ZsLayer;
 
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter;
     float eps, scale;
     int64_t avx512;             /* the AVX-512 norm / RoPE / SiLU / attention, else AVX2 */
-    int64_t bf16;               /* the dtype of weights, activations and KV: else float32 */
+    int64_t bf16;               /* the dtype of weights and activations: else float32 */
+    int64_t kv_kind;            /* the KV pool's: attention.c's KV_F32, KV_BF16 or KV_I8 */
     const void *cos_sin;
     const ZsLayer *layer;
 } ZsModel;
@@ -87,20 +91,6 @@ static void norm(const ZsModel *m, const void *x, void *r, const void *w, int64_
                  void *y) {
     if (m->avx512) zs_add_rms_norm((int)m->bf16, x, r, r, w, m->eps, M, m->hidden, y);
     else zs_add_rms_norm_avx2((int)m->bf16, x, r, r, w, m->eps, M, m->hidden, y);
-}
-
-static float bf16_to_f32(uint16_t b) {
-    const uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static uint16_t f32_to_bf16(float f) {              /* as simd.h's f32_to_bf16x8 */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if (f != f) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
 /* x [M, hidden]: the embeddings in, the hidden state out; r [M, hidden]: scratch for the
@@ -127,13 +117,14 @@ int zs_decode_layers(const ZsModel *m, int64_t M, void *x, void *r, const int64_
         if (linear(m, &L->qkv, y, M, hid, qw, qkv)) return -1;
         if (m->avx512) zs_rope((int)bf16, qkv, M, qw, H + Hkv, D, m->cos_sin, pos);
         else zs_rope_avx2((int)bf16, qkv, M, qw, H + Hkv, D, m->cos_sin, pos);
-        zs_kv_write((int)bf16, L->kv, slots, M, k, v, qw, Hkv * D);
+        const int kvk = (int)m->kv_kind;
+        zs_kv_write((int)bf16, kvk, L->kv, L->kv_scales, slots, M, k, v, qw, Hkv * D);
         if (m->avx512)
-            zs_decode_attention((int)bf16, qkv, qw, L->kv, table, ctx, rows, lens, M, H, Hkv,
-                                D, m->scale, att);
+            zs_decode_attention((int)bf16, kvk, qkv, qw, L->kv, L->kv_scales, table, ctx, rows,
+                                lens, M, H, Hkv, D, m->scale, att);
         else
-            zs_decode_attention_avx2((int)bf16, qkv, qw, L->kv, table, ctx, rows, lens, M, H,
-                                     Hkv, D, m->scale, att);
+            zs_decode_attention_avx2((int)bf16, kvk, qkv, qw, L->kv, L->kv_scales, table, ctx,
+                                     rows, lens, M, H, Hkv, D, m->scale, att);
         if (linear(m, &L->o, att, M, H * D, hid, x)) return -1;
         norm(m, x, r, L->post_norm, M, y);
         if (linear(m, &L->gate_up, y, M, hid, 2 * m->inter, gu)) return -1;

@@ -11,10 +11,26 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define TARGET_F32 __attribute__((target("avx512f")))
 #define INLINE static inline __attribute__((always_inline))
+
+/* Scalar bfloat16 <-> float32, rounded as the vector versions (f32_to_bf16x8) and torch. */
+INLINE float bf16_to_f32(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+INLINE uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
 
 /* The first min(left, 16) lanes. */
 INLINE __mmask16 tail_mask(int64_t left) {
