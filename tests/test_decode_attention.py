@@ -37,21 +37,28 @@ def fill(cache: KVCache, pad: float = 1e4) -> None:
 KV_DTYPES = [None, torch.bfloat16, torch.int8]          # None: the model's dtype
 
 
+# The kernel's task splits: a small batch by KV head, a big one ("many") by row, and one or
+# two long rows (fewer row-head pairs than 4 a thread) by positions too, in shares of 256
+# or more merged after (the second long row's shorter length leaves a share empty).
+BATCHES = {"few": ([7, 0, 3, 5, 1, 2], [1, 2, 63, 64, 65, 257]),   # out of order, not
+           "many": ([7, 0, 3, 5, 1, 2, *range(8, 20)],              # every row; around
+                    [1, 2, 63, 64, 65, 257, *range(100, 112)]),     # the 64-block
+           "one long": ([4], [1999]),
+           "two long": ([4, 1], [2100, 300])}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
 @pytest.mark.parametrize("kernel", [True, False])
-@pytest.mark.parametrize("many", [False, True])     # the kernel splits a big batch by row
-def test_decode_matches_dense(dtype, kv_dtype, heads, kv_heads, head_dim, kernel, many):
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_decode_matches_dense(dtype, kv_dtype, heads, kv_heads, head_dim, kernel, batch):
     if kernel and not decode_kernel_fits(torch.device("cpu"), dtype, heads, kv_heads, head_dim,
                                          kv_dtype):
         pytest.skip("no decode kernel for this CPU / compiler")
     torch.manual_seed(0)
-    rows = [7, 0, 3, 5, 1, 2]              # out of order, not every row
-    lens = [1, 2, 63, 64, 65, 257]         # one position; around the kernel's 64-block
-    if many:
-        rows, lens = rows + list(range(8, 20)), lens + list(range(100, 112))
-    ctx, reqs = 300, len(rows)
+    rows, lens = BATCHES[batch]
+    ctx, reqs = max(300, max(lens)), len(rows)
     cache = KVCache(1, reqs * ctx, kv_heads, head_dim, dtype, "cpu", kv_dtype)
     fill(cache)
     table = torch.zeros(max(rows) + 2, ctx, dtype=torch.int64)

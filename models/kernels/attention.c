@@ -26,6 +26,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "simd.h"
@@ -109,7 +110,7 @@ INLINE void prefetch_kv(const int kvk, const void *kv, const float *scales,
 INLINE TARGET void decode_task(const int bf16, const int kvk, const int nd, const void *q,
                                const void *kv, const float *scales, const int64_t *slots,
                                int64_t len, int64_t H, int64_t Hkv, int64_t g0, int64_t g1,
-                               float scale, void *out) {
+                               float scale, void *out, float *part) {
     const int64_t G = H / Hkv, esz = bf16 ? 2 : 4, D = nd * 16, kesz = kv_size(kvk);
     const int64_t row_bytes = 2 * Hkv * D * kesz;            /* one slot: K heads, V heads */
     const int64_t nb = D / KV_BLOCK, srow = 2 * Hkv * nb;    /* int8: a slot's scales */
@@ -182,6 +183,13 @@ INLINE TARGET void decode_task(const int bf16, const int kvk, const int nd, cons
         }
     }
     for (int64_t h = g0 * G; h < g1 * G; h++) {
+        if (part) {                                   /* a share of the positions: partials */
+            float *p = part + h * (D + 2);
+            p[0] = m[h];
+            p[1] = l[h];
+            for (int d = 0; d < nd; d++) _mm512_storeu_ps(p + 2 + 16 * d, acc[h][d]);
+            continue;
+        }
         char *o = (char *)out + h * D * esz;
         const __m512 inv = _mm512_set1_ps(1.0f / l[h]);
         for (int d = 0; d < nd; d++)
@@ -195,13 +203,58 @@ static int64_t kv_heads_per_task(int64_t B, int64_t Hkv) {
     return B >= 4 * omp_get_max_threads() ? Hkv : 1;
 }
 
+/* Splitting positions (flash-decoding's split-K). With fewer (row, KV head) pairs than
+ * 4 tasks a thread (one long request: 3 KV heads on 2 threads leave a thread idle a third
+ * of the time), each pair's positions are cut into up to MAX_SPLITS shares of at least
+ * SPLIT_MIN, each share's softmax partials (its max m, sum l and unnormalized p.v) go to a
+ * buffer, and merge_parts weighs them together: out = sum_s e^(m_s - M) acc_s /
+ * sum_s e^(m_s - M) l_s, M = max_s m_s (the same online-softmax algebra the blocks use). */
+#define SPLIT_MIN 256
+#define MAX_SPLITS 16
+
+static int64_t position_splits(int64_t B, int64_t Hkv, const int64_t *lens) {
+    const int64_t threads = omp_get_max_threads(), pairs = B * Hkv;
+    if (threads == 1 || pairs >= 4 * threads) return 1;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; b++) longest = lens[b] > longest ? lens[b] : longest;
+    int64_t s = (4 * threads + pairs - 1) / pairs;
+    if (s > longest / SPLIT_MIN) s = longest / SPLIT_MIN;
+    if (s > MAX_SPLITS) s = MAX_SPLITS;
+    return s < 1 ? 1 : s;
+}
+
+/* parts [S][B][H][2 + D] (m, l, acc) -> out [B, H, D], rounded once to the dtype. */
+static void merge_parts(int bf16, const float *parts, int64_t S, int64_t B, int64_t H,
+                        int64_t D, void *out) {
+    for (int64_t bh = 0; bh < B * H; bh++) {
+        float M = -INFINITY, w[MAX_SPLITS], L = 0.0f;
+        for (int64_t s = 0; s < S; s++) {
+            const float m = parts[(s * B * H + bh) * (D + 2)];
+            M = m > M ? m : M;
+        }
+        for (int64_t s = 0; s < S; s++) {
+            const float *p = parts + (s * B * H + bh) * (D + 2);
+            w[s] = p[1] > 0.0f || p[1] != p[1] ? expf(p[0] - M) : 0.0f;   /* empty share: 0 */
+            L += w[s] * p[1];
+        }
+        for (int64_t d = 0; d < D; d++) {
+            float o = 0.0f;
+            for (int64_t s = 0; s < S; s++) o += w[s] * parts[(s * B * H + bh) * (D + 2) + 2 + d];
+            o /= L;
+            if (bf16) ((uint16_t *)out)[bh * D + d] = f32_to_bf16(o);
+            else ((float *)out)[bh * D + d] = o;
+        }
+    }
+}
+
 /* The driver, written once and instantiated per instruction set with its task function
- * (`lanes` floats a vector): a task is one row's KV heads [g0, g1). The dtype and head size
- * are picked inside the loop: OpenMP outlines the loop body before inlining, so only
- * there do they become constants of each task function copy. */
+ * (`lanes` floats a vector): a task is one row's KV heads [g0, g1) over its positions
+ * [t0, t1) (all of them unless split). The dtype and head size are picked inside the loop:
+ * OpenMP outlines the loop body before inlining, so only there do they become constants
+ * of each task function copy. */
 #define TASK(task_fn, lanes, bf16_, kvk_, d_)                                           \
-    case d_: task_fn(bf16_, kvk_, d_ / lanes, qb, kv, scales, table + rows[b] * ctx,    \
-                     lens[b], H, Hkv, g0, g1, scale, ob); break;
+    case d_: task_fn(bf16_, kvk_, d_ / lanes, qb, kv, scales, table + rows[b] * ctx + t0, \
+                     t1 - t0, H, Hkv, g0, g1, scale, ob, pb); break;
 #define TASKS(task_fn, lanes, bf16_, kvk_)                                              \
     switch (D) {                                                                        \
     TASK(task_fn, lanes, bf16_, kvk_, 32) TASK(task_fn, lanes, bf16_, kvk_, 64)         \
@@ -216,14 +269,28 @@ static int64_t kv_heads_per_task(int64_t B, int64_t Hkv) {
 #define DECODE_ROWS(task_fn, lanes)                                                     \
     {                                                                                   \
         const int64_t esz = bf16 ? 2 : 4;                                               \
-        const int64_t per_task = kv_heads_per_task(B, Hkv), tasks_per_row = Hkv / per_task; \
+        int64_t S = position_splits(B, Hkv, lens);                                      \
+        float *parts = S > 1 ? malloc((size_t)(S * B * H * (D + 2)) * sizeof(float)) : NULL; \
+        if (!parts) S = 1;                  /* no memory for the partials: unsplit */   \
+        int64_t chunk = 0;                  /* positions a share, whole blocks */       \
+        for (int64_t b = 0; b < B; b++) chunk = lens[b] > chunk ? lens[b] : chunk;      \
+        chunk = ((chunk + S - 1) / S + BLOCK - 1) / BLOCK * BLOCK;                      \
+        const int64_t per_task = S > 1 ? 1 : kv_heads_per_task(B, Hkv);                 \
+        const int64_t tasks_per_row = Hkv / per_task * S;                               \
         _Pragma("omp parallel for schedule(dynamic, 1)")                                \
         for (int64_t task = 0; task < B * tasks_per_row; task++) {                      \
-            const int64_t b = task / tasks_per_row;                                     \
-            const int64_t g0 = task % tasks_per_row * per_task, g1 = g0 + per_task;     \
+            const int64_t b = task / tasks_per_row, r = task % tasks_per_row, s = r % S; \
+            const int64_t g0 = r / S * per_task, g1 = g0 + per_task;                    \
+            const int64_t t0 = S > 1 ? (s * chunk < lens[b] ? s * chunk : lens[b]) : 0; \
+            const int64_t t1 = S > 1 ? (t0 + chunk < lens[b] ? t0 + chunk : lens[b]) : lens[b]; \
             const char *qb = (const char *)q + b * q_stride * esz;                      \
             char *ob = (char *)out + b * H * D * esz;                                   \
+            float *pb = parts ? parts + (s * B + b) * H * (D + 2) : NULL;               \
             if (bf16) { KINDS(task_fn, lanes, 1) } else { KINDS(task_fn, lanes, 0) }    \
+        }                                                                               \
+        if (parts) {                                                                    \
+            merge_parts(bf16, parts, S, B, H, D, out);                                  \
+            free(parts);                                                                \
         }                                                                               \
     }
 
@@ -331,7 +398,7 @@ INLINE TARGET_AVX2 void decode_task8(const int bf16, const int kvk, const int nd
                                      const void *q, const void *kv, const float *scales,
                                      const int64_t *slots, int64_t len, int64_t H,
                                      int64_t Hkv, int64_t g0, int64_t g1, float scale,
-                                     void *out) {
+                                     void *out, float *part) {
     const int64_t G = H / Hkv, D = nd * 8, esz = bf16 ? 2 : 4, kesz = kv_size(kvk);
     const int64_t row = 2 * Hkv * D * kesz;                  /* bytes per slot */
     const int64_t nb = D / KV_BLOCK, srow = 2 * Hkv * nb;    /* int8: a slot's scales */
@@ -395,6 +462,13 @@ INLINE TARGET_AVX2 void decode_task8(const int bf16, const int kvk, const int nd
         }
     }
     for (int64_t h = g0 * G; h < g1 * G; h++) {
+        if (part) {                                   /* a share of the positions: partials */
+            float *p = part + h * (D + 2);
+            p[0] = m[h];
+            p[1] = l[h];
+            memcpy(p + 2, acc[h], (size_t)D * sizeof(float));
+            continue;
+        }
         const __m256 inv = _mm256_set1_ps(1.0f / l[h]);
         for (int d = 0; d < nd; d++)
             store8(bf16, (char *)out + (h * D + 8 * d) * esz, 8,
