@@ -207,3 +207,17 @@ def test_tp2_on_two_gpus_equals_one(tiny_model, tmp_path):
         for prompt, out in zip(prompts(), outs):
             assert_greedy_match(out["output_ids"], *cuda_greedy(model_dir, prompt, dtype),
                                 tie_tol=TIES[name])
+
+
+def test_int8_kv_cache_on_cuda(tiny_model, tmp_path):
+    """--kv-cache-dtype int8 on CUDA (the pool rounded and read back by torch, pool.py):
+    transformers' float32 greedy ids on CUDA up to a 1-logit near tie, the margin
+    tests/test_kv_int8_e2e.py argues for an int8 pool."""
+    model_dir = tiny_model("llama")
+    with serving(model_dir, "--device", "cuda", "--dtype", "float32", "--kv-cache-dtype",
+                 "int8", "--chunked-prefill-size", "16", tmpdir=tmp_path) as s:
+        assert s.server_info()["kv_cache_dtype"] == "int8"
+        outs = greedy_batch(s, prompts())
+    for prompt, out in zip(prompts(), outs):
+        assert_greedy_match(out["output_ids"], *cuda_greedy(model_dir, prompt, torch.float32),
+                            tie_tol=1.0)
