@@ -56,6 +56,8 @@ def test_decode_matches_dense(dtype, kv_dtype, heads, kv_heads, head_dim, kernel
     if kernel and not decode_kernel_fits(torch.device("cpu"), dtype, heads, kv_heads, head_dim,
                                          kv_dtype):
         pytest.skip("no decode kernel for this CPU / compiler")
+    if not kernel and "long" in batch:
+        pytest.skip("positions are split on the kernel only; SDPA has the short batches")
     torch.manual_seed(0)
     rows, lens = BATCHES[batch]
     ctx, reqs = max(300, max(lens)), len(rows)
