@@ -314,7 +314,7 @@ static void quantize_block(const float *x, int8_t *q, float *scale) {
         if (a > amax || a != a) amax = a;           /* a NaN sticks, as in torch's amax */
     }
     const float d = amax / 127.0f;
-    *scale = d;
+    *scale = d != d ? NAN : d;                     /* the default NaN, as torch writes */
     for (int j = 0; j < KV_BLOCK; j++) {
         float r = d > 0.0f ? (x[j] / d + 0x1.8p23f) - 0x1.8p23f : 0.0f;
         if (r != r) r = 0.0f;                       /* inf / inf */
