@@ -128,3 +128,23 @@ def assert_greedy_through_ties(ours: list[int], ref_ids: list[int], margins: lis
             return i
     assert len(ours) == len(ref_ids), f"{what}: {len(ours)} tokens, not {len(ref_ids)}"
     return len(ref_ids)
+
+
+def assert_served_batch_greedy(server, prompts: list[list[int]], max_new_tokens: int,
+                               dtype: torch.dtype, tie_tol: float) -> None:
+    """Send `prompts` to a test server at once (decoded together, as one batch), greedy,
+    EOS ignored, and assert each output equals transformers' in `dtype` up to its first
+    near tie (assert_greedy_match), and that at least 8 decisive steps were compared."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda p: server.generate_ok(input_ids=p, sampling_params=body),
+                             prompts))
+    compared = 0
+    for prompt, out in zip(prompts, outs):
+        ref_ids, margins = greedy_reference(server.model_dir, prompt, max_new_tokens, dtype)
+        assert_greedy_match(out["output_ids"], ref_ids, margins, tie_tol=tie_tol)
+        tie = first_near_tie(margins, tie_tol)
+        compared += max_new_tokens if tie is None else tie
+    assert compared >= 8, f"only {compared} decisive steps: the check says little"

@@ -17,13 +17,12 @@ something.
 from __future__ import annotations
 
 import random
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from checkpoints.tiny import build_tiny_checkpoint
-from tests.reference import assert_greedy_match, first_near_tie, greedy_reference
+from tests.reference import assert_served_batch_greedy
 from tests.server import serving
 
 pytestmark = pytest.mark.e2e
@@ -48,14 +47,4 @@ def server(request, tiny_model, tmp_path_factory):
 def test_greedy_matches_transformers_bfloat16(server):
     rng = random.Random(7)
     prompts = [[rng.randrange(5, 700) for _ in range(n)] for n in (3, 17, 40, 90)]
-    body = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
-    with ThreadPoolExecutor(len(prompts)) as pool:     # decoded together, as one batch
-        outs = list(pool.map(lambda p: server.generate_ok(input_ids=p, sampling_params=body),
-                             prompts))
-    compared = 0
-    for prompt, out in zip(prompts, outs):
-        ref_ids, margins = greedy_reference(server.model_dir, prompt, MAX_NEW, torch.bfloat16)
-        assert_greedy_match(out["output_ids"], ref_ids, margins, tie_tol=BF16_TIE)
-        tie = first_near_tie(margins, BF16_TIE)
-        compared += MAX_NEW if tie is None else tie
-    assert compared >= 8, f"only {compared} decisive steps: the check says little"
+    assert_served_batch_greedy(server, prompts, MAX_NEW, torch.bfloat16, BF16_TIE)
