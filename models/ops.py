@@ -129,8 +129,9 @@ def _decode_function(device_type: str, dtype: torch.dtype):
     return kernels.function("zs_decode_attention", device_type, dtype)
 
 
-# The KV pool dtypes it reads, under float32 or bfloat16 queries (pool.py's KV_KINDS).
-KERNEL_KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+# The KV pool dtypes it reads, under float32 or bfloat16 queries, by attention.c's number
+# for each (KV_F32, KV_BF16, KV_I8); scheduler_proc/pool.py lays its buffers out by them.
+KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 
 def decode_kernel_fits(device: torch.device, dtype: torch.dtype, num_heads: int,
@@ -139,6 +140,6 @@ def decode_kernel_fits(device: torch.device, dtype: torch.dtype, num_heads: int,
     """Can decode rows of this model (a KV pool of kv_dtype: default, the model's) run on
     kernels/attention.c?"""
     return (_decode_function(torch.device(device).type, dtype) is not None
-            and (kv_dtype or dtype) in KERNEL_KV_DTYPES
+            and (kv_dtype or dtype) in KV_KINDS
             and head_dim in KERNEL_HEAD_DIMS and num_heads % num_kv_heads == 0
             and num_heads <= KERNEL_MAX_HEADS)

@@ -16,6 +16,7 @@ import math
 import numpy as np
 import torch
 
+from models.ops import KV_KINDS
 from wire.messages import TableWrite
 
 
@@ -60,8 +61,6 @@ class TokenPool:
         self._free.extend(slots)
 
 
-# The pool's element kinds, as kernels/attention.c numbers them (KV_F32, KV_BF16, KV_I8).
-KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 # int8 K/V: one float32 scale per KV_BLOCK values of a head (llama.cpp's q8_0 block size).
 KV_BLOCK = 32
 

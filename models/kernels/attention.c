@@ -170,9 +170,11 @@ INLINE TARGET void decode_task(const int bf16, const int kvk, const int nd, cons
                 const char *v = vbase + blk[t] * row_bytes;
                 if (kvk == KV_I8) {                           /* p times each block's scale */
                     const float *vs = vsb + blk[t] * srow;
-                    for (int d = 0; d < nd; d++)
-                        a[d] = _mm512_fmadd_ps(_mm512_set1_ps(s[t] * vs[d * 16 / KV_BLOCK]),
-                                               load_kv16(KV_I8, v + d * 16), a[d]);
+                    for (int64_t b = 0; b < nb; b++) {
+                        const __m512 pb = _mm512_set1_ps(s[t] * vs[b]);
+                        for (int d = b * KV_BLOCK / 16; d < (b + 1) * KV_BLOCK / 16; d++)
+                            a[d] = _mm512_fmadd_ps(pb, load_kv16(KV_I8, v + d * 16), a[d]);
+                    }
                     continue;
                 }
                 const __m512 p = _mm512_set1_ps(s[t]);
@@ -212,11 +214,9 @@ static int64_t kv_heads_per_task(int64_t B, int64_t Hkv) {
 #define SPLIT_MIN 256
 #define MAX_SPLITS 16
 
-static int64_t position_splits(int64_t B, int64_t Hkv, const int64_t *lens) {
+static int64_t position_splits(int64_t B, int64_t Hkv, int64_t longest) {
     const int64_t threads = omp_get_max_threads(), pairs = B * Hkv;
     if (threads == 1 || pairs >= 4 * threads) return 1;
-    int64_t longest = 0;
-    for (int64_t b = 0; b < B; b++) longest = lens[b] > longest ? lens[b] : longest;
     int64_t s = (4 * threads + pairs - 1) / pairs;
     if (s > longest / SPLIT_MIN) s = longest / SPLIT_MIN;
     if (s > MAX_SPLITS) s = MAX_SPLITS;
@@ -269,12 +269,13 @@ static void merge_parts(int bf16, const float *parts, int64_t S, int64_t B, int6
 #define DECODE_ROWS(task_fn, lanes)                                                     \
     {                                                                                   \
         const int64_t esz = bf16 ? 2 : 4;                                               \
-        int64_t S = position_splits(B, Hkv, lens);                                      \
+        int64_t longest = 0;                                                            \
+        for (int64_t b = 0; b < B; b++) longest = lens[b] > longest ? lens[b] : longest; \
+        int64_t S = position_splits(B, Hkv, longest);                                   \
         float *parts = S > 1 ? malloc((size_t)(S * B * H * (D + 2)) * sizeof(float)) : NULL; \
         if (!parts) S = 1;                  /* no memory for the partials: unsplit */   \
-        int64_t chunk = 0;                  /* positions a share, whole blocks */       \
-        for (int64_t b = 0; b < B; b++) chunk = lens[b] > chunk ? lens[b] : chunk;      \
-        chunk = ((chunk + S - 1) / S + BLOCK - 1) / BLOCK * BLOCK;                      \
+        /* positions a share, whole blocks */                                           \
+        const int64_t chunk = ((longest + S - 1) / S + BLOCK - 1) / BLOCK * BLOCK;      \
         const int64_t per_task = S > 1 ? 1 : kv_heads_per_task(B, Hkv);                 \
         const int64_t tasks_per_row = Hkv / per_task * S;                               \
         _Pragma("omp parallel for schedule(dynamic, 1)")                                \
@@ -449,9 +450,11 @@ INLINE TARGET_AVX2 void decode_task8(const int bf16, const int kvk, const int nd
                 const char *v = vbase + blk[t] * row;
                 if (kvk == KV_I8) {                           /* p times each block's scale */
                     const float *vs = vsb + blk[t] * srow;
-                    for (int d = 0; d < nd; d++)
-                        a[d] = _mm256_fmadd_ps(_mm256_set1_ps(s[t] * vs[d * 8 / KV_BLOCK]),
-                                               load_kv8(KV_I8, v + 8 * d), a[d]);
+                    for (int64_t b = 0; b < nb; b++) {
+                        const __m256 pb = _mm256_set1_ps(s[t] * vs[b]);
+                        for (int d = b * KV_BLOCK / 8; d < (b + 1) * KV_BLOCK / 8; d++)
+                            a[d] = _mm256_fmadd_ps(pb, load_kv8(KV_I8, v + 8 * d), a[d]);
+                    }
                     continue;
                 }
                 const __m256 p = _mm256_set1_ps(s[t]);
