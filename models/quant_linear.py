@@ -156,7 +156,8 @@ class _Part(ctypes.Structure):            # blocks.c: ZsPart
 
 class _Blocks(ctypes.Structure):          # blocks.c: ZsBlocks
     _fields_ = [("nparts", ctypes.c_int64), ("avx512", ctypes.c_int64),
-                ("int8_batch", ctypes.c_int64), ("part", _Part * MAX_PARTS)]
+                ("int8_batch", ctypes.c_int64), ("vnni", ctypes.c_int64),
+                ("part", _Part * MAX_PARTS)]
 
 
 def _merged(qtypes: Sequence[str], blocks: Sequence[torch.Tensor]):
@@ -212,7 +213,7 @@ class QuantLinear(nn.Module):
         stay."""
         if self._c is None:
             c = _Blocks(len(self.parts), int(kernels.available("cpu", torch.float32)),
-                        self.int8_batch)
+                        self.int8_batch, int(kernels.vnni_available("cpu")))
             for i, (t, rows) in enumerate(self.parts):
                 c.part[i] = _Part(BLOCK_TYPES[t][0], int(t in INT8_TYPES), rows,
                                   getattr(self, f"blocks_{i}").data_ptr())

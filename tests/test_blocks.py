@@ -246,12 +246,12 @@ def test_k_quant_layer_stays_float_at_every_m():
 
 
 def test_struct_matches_blocks_c():
-    """QuantLinear's ctypes description has blocks.c's ZsBlocks layout: 3 int64 fields, then
+    """QuantLinear's ctypes description has blocks.c's ZsBlocks layout: 4 int64 fields, then
     MAX_PARTS parts of 3 int64 and a pointer; the fields tables agree in size."""
     from models.quant_linear import FIELDS, MAX_PARTS, _Blocks, _Part
     for qtype, fields in FIELDS.items():
         assert sum(size for _, size in fields) == BLOCK_TYPES[qtype][2]
         assert all(off == sum(s for _, s in fields[:i]) for i, (off, _) in enumerate(fields))
-    assert ctypes.sizeof(_Part) == 32 and ctypes.sizeof(_Blocks) == 24 + 32 * MAX_PARTS
+    assert ctypes.sizeof(_Part) == 32 and ctypes.sizeof(_Blocks) == 32 + 32 * MAX_PARTS
     assert "#define ZS_MAX_PARTS 3" in (kernels.HERE / "blocks.c").read_text()
     assert MAX_PARTS == 3

@@ -63,6 +63,7 @@ def test_env_turns_kernels_off(monkeypatch, tiny_model):
 AVX2 = set(cpu.AVX2_FLAGS)
 AVX512 = {"avx512f", "avx512bw", "avx512vl"}
 AVX512_BF16 = AVX512 | {"avx512_bf16"}
+AVX512_VNNI = AVX512 | {"avx512_vnni"}
 
 
 @pytest.fixture
@@ -123,6 +124,29 @@ def test_isa_rule(fake_cpu, flags, isa, f32, bf16):
             assert linear.avx512 == (want == "avx512")
         assert not kernels.available("cuda", dtype)
     assert kernels.avx2_available("cpu") == (AVX2 <= set(flags))
+
+
+@pytest.mark.parametrize("flags, isa, vnni", [
+    (AVX2 | AVX512_VNNI, None, True),
+    (AVX2 | AVX512_VNNI | {"avx512_bf16"}, "avx512", True),
+    (AVX2 | AVX512_VNNI, "avx2", False),
+    (AVX2 | AVX512, None, False),          # AVX-512 without VNNI: quant.c's AVX2 tiles
+    (AVX2 | {"avx512_vnni"}, None, False),  # (no such CPU) VNNI without AVX-512 F/BW/VL
+    (AVX512_VNNI, None, False),             # no AVX2: quant.c does not run at all
+    (AVX2, None, False),
+])
+def test_vnni_rule(fake_cpu, flags, isa, vnni):
+    """quant.c's AVX-512 VNNI tiles where the CPU has AVX-512 F/BW/VL and VNNI and
+    ZSERVE_CPU_ISA allows AVX-512 (and the AVX2 kernels run: they round x); every
+    QuantLinear then carries that choice into blocks.c."""
+    from models.quant_linear import QuantLinear
+    fake_cpu(flags, isa)
+    assert kernels.vnni_available("cpu") == vnni
+    assert not kernels.vnni_available("cuda")
+    if kernels.avx2_available("cpu"):
+        lin = QuantLinear("Q8_0", torch.zeros(8, 34, dtype=torch.uint8), 32)
+        lin.c_blocks()
+        assert lin._c.vnni == vnni
 
 
 def test_avx2_isa_on_an_avx512_cpu_runs_the_avx2_kernels(fake_cpu, tmp_path):

@@ -3,9 +3,10 @@ the loader keeping a GGUF file's blocks, and the models that run on them (blocks
 float-activation kernel that serves small batches, has tests/test_blocks.py).
 
 quant.c quantizes x to int8 per block of 32 (as llama.cpp does), so its outputs differ
-from dequantize-then-matmul by x's rounding only; the kernel tests here ask QuantLinear for
-it at every M (int8_batch=1), the model tests run prefills of 64 tokens (past INT8_BATCH,
-outside a model step: the rule counts rows there). Two kinds of check follow from that:
+from dequantize-then-matmul by x's rounding only; the kernel tests here call each of its
+versions this CPU has (AVX2; AVX-512 VNNI, which must equal AVX2 bit for bit) at every M,
+the model tests run prefills of 64 tokens (past INT8_BATCH, outside a model step: the rule
+counts rows there). Two kinds of check follow from that:
 - x that int8 represents exactly (each block a scale times integers up to 127, one of them
   127): the kernel must equal float64 dequantize-then-matmul to float32 summation error;
 - any x: the error must stay within the rounding bound, sum over blocks of
@@ -36,7 +37,8 @@ from torch import nn
 from launch import resolve_quantization
 from models import kernels
 from models import load_model
-from models.quant_linear import QuantLinear, dequantize, quantize_q8_0
+from models.quant_linear import BLOCK_TYPES, QuantLinear, dequantize, quantize_q8_0, regroup
+from test_blocks import random_blocks
 from test_gguf import our_greedy_with_margins, our_logits, smollm2_path, write_gguf
 from tests.reference import assert_greedy_through_ties
 from tests.server import serving
@@ -49,6 +51,12 @@ needs_kernels = pytest.mark.skipif(not kernels.avx2_available("cpu"),
                                    reason="no AVX2/FMA/F16C or no C compiler: the quantized "
                                           "kernels cannot run here (the loader dequantizes)")
 TEXT = (Path(__file__).resolve().parents[1] / "bench" / "ppl_text.txt")
+# quant.c's two versions of its block products: AVX2's on every machine with the kernels,
+# AVX-512 VNNI's where the CPU has it (kernels.vnni_available).
+ISAS = [pytest.param("avx2", id="avx2"),
+        pytest.param("vnni", id="vnni", marks=pytest.mark.skipif(
+            not kernels.vnni_available("cpu"),
+            reason="this CPU has no AVX-512 VNNI (or ZSERVE_CPU_ISA=avx2 asks for AVX2 only)"))]
 
 
 def blocks_of(w: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -60,13 +68,29 @@ def blocks_of(w: torch.Tensor, qtype: str) -> torch.Tensor:
 # The kernel
 
 
+def run_quant(isa: str, qtype: str, blocks: torch.Tensor, x: torch.Tensor, bias=None
+              ) -> torch.Tensor:
+    """quant.c's kernel in one ISA's version, called directly on the regrouped blocks
+    (GGUF rows given): y = x W^T (+ bias), x rounded to int8 per block."""
+    n, (m, k) = blocks.shape[0], x.shape
+    w = regroup(qtype, blocks)
+    y = torch.full((m, n), float("nan"))
+    rc = kernels.library().zs_linear_quant(int(isa == "vnni"), BLOCK_TYPES[qtype][0],
+                                           x.data_ptr(), m, k, w.data_ptr(), n,
+                                           None if bias is None else bias.data_ptr(),
+                                           y.data_ptr(), n)
+    assert rc == 0
+    return y
+
+
 SHAPES = [(1, 37, 96), (1, 5, 32), (3, 64, 160), (32, 129, 576), (33, 17, 64), (70, 40, 96)]
 
 
 @needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_kernel_exact_on_int8_representable_x(qtype, m, n, k):
+def test_kernel_exact_on_int8_representable_x(isa, qtype, m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     blocks = blocks_of(torch.randn(n, k, generator=g), qtype)
     bias = torch.randn(n, generator=g)
@@ -75,27 +99,57 @@ def test_kernel_exact_on_int8_representable_x(qtype, m, n, k):
     q[:, :, 5] = 127 * torch.sign(torch.randn(m, k // 32, generator=g))
     x = (q * (torch.rand(m, k // 32, 1, generator=g).double() + 0.05)).view(m, k).float()
     for b in (None, bias):
-        y = QuantLinear(qtype, blocks, k, b, int8_batch=1)(x).double()
+        y = run_quant(isa, qtype, blocks, x, b).double()
         ref = x.double() @ w.T + (0 if b is None else b.double())
         scale = x.double().abs() @ w.abs().T + 1.0
         assert ((y - ref).abs() / scale).max() < 1e-5, (qtype, m, n, k)
 
 
 @needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_kernel_within_int8_rounding_of_x(qtype, m, n, k):
+def test_kernel_within_int8_rounding_of_x(isa, qtype, m, n, k):
     g = torch.Generator().manual_seed(m + n * 7 + k)
     blocks = blocks_of(torch.randn(n, k, generator=g), qtype)
     w = dequantize(qtype, blocks, k).double()
     x = torch.randn(m, k, generator=g) * torch.rand(m, k, generator=g) * 3
-    y = QuantLinear(qtype, blocks, k, int8_batch=1)(x).double()
+    y = run_quant(isa, qtype, blocks, x).double()
     ref = x.double() @ w.T
     dx = x.double().view(m, -1, 32).abs().amax(-1) / 127                  # [m, blocks]
     bound = (dx / 2) @ w.abs().view(n, -1, 32).sum(-1).T                  # [m, n]
     err = (y - ref).abs()
     assert (err <= bound * 1.001 + 1e-5).all(), (err / bound).max()
     assert err.max() > 0                     # x really was rounded: the check can fail
+
+
+@needs_kernels
+@pytest.mark.skipif(not kernels.vnni_available("cpu"), reason="this CPU has no AVX-512 VNNI "
+                    "(or ZSERVE_CPU_ISA=avx2 asks for AVX2 only)")
+@pytest.mark.parametrize("qtype", TYPES)
+def test_vnni_equals_avx2_bit_for_bit(qtype):
+    """Both versions sum each block's int8 products exactly and then do the same float
+    operations in the same order (quant.c's header): equal outputs, random codes included
+    (every byte pattern, x of any size)."""
+    rng = np.random.default_rng(5)
+    for m, n, k in SHAPES + [(64, 24, 1536)]:
+        blocks = torch.from_numpy(random_blocks(rng, qtype, n, k))
+        x = torch.from_numpy((rng.standard_normal((m, k)) * 4).astype(np.float32))
+        bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+        assert torch.equal(run_quant("vnni", qtype, blocks, x, bias),
+                           run_quant("avx2", qtype, blocks, x, bias)), (qtype, m, n, k)
+
+
+@needs_kernels
+def test_quant_linear_takes_the_rules_isa():
+    """QuantLinear's layers run quant.c in the version kernels.vnni_available picks: its
+    output at int8_batch=1 is that version's."""
+    g = torch.Generator().manual_seed(3)
+    blocks = blocks_of(torch.randn(24, 96, generator=g), "Q5_1")
+    x = torch.randn(5, 96, generator=g)
+    isa = "vnni" if kernels.vnni_available("cpu") else "avx2"
+    assert torch.equal(QuantLinear("Q5_1", blocks, 96, int8_batch=1)(x),
+                       run_quant(isa, "Q5_1", blocks, x))
 
 
 @needs_kernels

@@ -4,7 +4,7 @@
     blocks.c       y = x W^T + b on GGUF's blocks (every type QuantLinear serves), float x:
                    each block dequantized in registers (models/quant_linear.py)
     quant.c        the same on Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL blocks with x rounded
-                   to int8 (large batches)
+                   to int8 (large batches): AVX2, or AVX-512 VNNI where `vnni_available`
     attention.c    decode attention read in place from the paged KV pool (attention.py)
     elementwise.c  residual add + RMSNorm, RoPE, SiLU-and-multiply (models/llama.py)
     decode.c       every layer of a step of decode rows in one call (models/fast_decode.py)
@@ -56,6 +56,8 @@ HEADERS = sorted(HERE.glob("*.h"))
 COMPILE = ["-O3", "-fopenmp", "-fPIC", "-std=gnu11", "-ffp-contract=off"]
 CPU_FLAGS = {torch.float32: frozenset({"avx512f", "avx512bw", "avx512vl"}),
              torch.bfloat16: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})}
+# quant.c's AVX-512 tiles (int8 x int8 products by vpdpbusd): also AVX512_VNNI
+VNNI_FLAGS = CPU_FLAGS[torch.float32] | {"avx512_vnni"}
 
 _p, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
@@ -86,9 +88,9 @@ SIGNATURES = {
     "zs_add_rms_norm_avx2": [_int, _p, _p, _p, _p, _float, _i64, _i64, _p],
     "zs_rope_avx2": [_int, _p, _i64, _i64, _i64, _i64, _p, _p],
     "zs_silu_mul_avx2": [_int, _p, _i64, _i64, _p],
-    # (ggml type, x, M, K, weight groups, N, bias or NULL, y, y row stride) -> 0, or -1:
-    # out of memory
-    "zs_linear_quant": [_int, _p, _i64, _i64, _p, _i64, _p, _p, _i64],
+    # (AVX-512 VNNI, ggml type, x, M, K, weight groups, N, bias or NULL, y, y row stride)
+    # -> 0, or -1: out of memory
+    "zs_linear_quant": [_int, _int, _p, _i64, _i64, _p, _i64, _p, _p, _i64],
     # (ggml type, x, M, K, weight groups, N, bias or NULL, y, y row stride) -> 0, or -1
     # (blocks.c: float activations)
     "zs_linear_blocks_avx2": [_int, _p, _i64, _i64, _p, _i64, _p, _p, _i64],
@@ -164,6 +166,14 @@ def available(device: torch.device | str, dtype: torch.dtype) -> bool:
     ZSERVE_CPU_KERNELS, ZSERVE_CPU_ISA)?"""
     return (torch.device(device).type == "cpu" and dtype in CPU_FLAGS
             and runs_avx512_kernels(CPU_FLAGS[dtype]) and library() is not None)
+
+
+def vnni_available(device: torch.device | str) -> bool:
+    """Does quant.c's int8 kernel run its AVX-512 VNNI tiles here (else its AVX2 ones)?
+    The same switches as `available`; the AVX2 kernels are needed too (quant.c rounds x
+    with them)."""
+    return (torch.device(device).type == "cpu" and runs_avx512_kernels(VNNI_FLAGS)
+            and avx2_available(device))
 
 
 def avx2_available(device: torch.device | str) -> bool:

@@ -175,7 +175,7 @@ static const float *x_tiles(const float *x, int64_t M, int64_t K, const float **
 
 /* ---- a linear layer of one or more parts --------------------------------------------- */
 
-int zs_linear_quant(int type, const float *x, int64_t M, int64_t K, const uint8_t *w,
+int zs_linear_quant(int vnni, int type, const float *x, int64_t M, int64_t K, const uint8_t *w,
                     int64_t N, const float *bias, float *y, int64_t ldy);
 
 /* A layer's output rows in parts, each of one block type in groups of 8 rows (a fused
@@ -184,8 +184,9 @@ int zs_linear_quant(int type, const float *x, int64_t M, int64_t K, const uint8_
  * models/quant_linear.py fills it (QuantLinear.c_blocks) and decode.c calls through it, so
  * both take the same kernel in the same step, by one rule: parts with `int8` set (quant.c's
  * types, quant_linear.INT8_TYPES, whose groups are quant.c's layout too) take quant.c's
- * int8 kernel where the batch is at least int8_batch; every other part and batch takes blocks.c's float kernel,
- * AVX-512 or AVX2 as `avx512` says (kernels.available, the one rule for the ISA). The
+ * int8 kernel where the batch is at least int8_batch (its AVX-512 VNNI tiles where `vnni`
+ * says: kernels.vnni_available); every other part and batch takes blocks.c's float
+ * kernel, AVX-512 or AVX2 as `avx512` says (kernels.available: the rule's one home). The
  * batch is the model step's number of requests (step_batch, set around each step by the
  * scheduler's runner: quant_linear.step_batch), so a request alone is computed the same
  * float way whatever its prompt's length; outside a step (direct calls), M rows of x. */
@@ -200,7 +201,7 @@ typedef struct {
 } ZsPart;
 
 typedef struct ZsBlocks {
-    int64_t nparts, avx512, int8_batch;
+    int64_t nparts, avx512, int8_batch, vnni;
     ZsPart part[ZS_MAX_PARTS];
 } ZsBlocks;
 
@@ -215,7 +216,7 @@ int zs_linear_parts(const ZsBlocks *L, const float *x, int64_t M, int64_t K,
         const ZsPart *q = &L->part[p];
         const float *b = bias ? bias + off : NULL;
         if (q->int8 && (step_batch > 0 ? step_batch : M) >= L->int8_batch) {
-            if (zs_linear_quant((int)q->type, x, M, K, q->weight, q->rows, b, y + off, N))
+            if (zs_linear_quant((int)L->vnni, (int)q->type, x, M, K, q->weight, q->rows, b, y + off, N))
                 return -1;
         } else {
             if (block_bytes((int)q->type) == 0 || K % block_values((int)q->type)) return -1;

@@ -1,5 +1,8 @@
 /* zserve quantized linear kernels: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), float32 x and y,
- * W in GGUF's blocks of 32 weights, regrouped 8 output rows at a time (AVX2 + FMA + F16C).
+ * W in GGUF's blocks of 32 weights, regrouped 8 output rows at a time. Two versions of the
+ * block products: AVX2 + FMA + F16C (8 lanes, vpmaddubsw) and AVX-512 VNNI (16 lanes,
+ * vpdpbusd; below), chosen by the caller (blocks.c: zs_linear_parts, from
+ * kernels.vnni_available, the rule's one home).
  *
  * GGUF stores each output row as K/32 blocks:
  *   Q8_0  34 bytes: fp16 d, int8 q[32]                      w[j] = d * q[j]
@@ -34,6 +37,16 @@
  * sign trick, 32512 per result) widens each.
  * The only error beyond the weights' own is x's rounding to int8.
  *
+ * AVX-512 VNNI: one 64-byte load holds two adjacent quads of the 8 rows (quad c in lanes
+ * 0-7, c + 1 in lanes 8-15), x's two matching 4-byte groups are put beside them by one
+ * vpermd, and vpdpbusd adds the u8 x s8 products of each lane's 4 byte pairs into int32
+ * (no s16 stage, so nothing to widen); the two halves' sums are added at the block's end.
+ * Signed weights (Q8_0, IQ4_NL) multiply as |q| times x negated where q < 0 (a mask
+ * subtract: AVX-512 has no vpsignb). Both versions compute each block's integer sum
+ * exactly and then the same float operations in the same order, so their outputs are
+ * equal bit for bit (tests/test_quant.py holds them to it); x is rounded by the same
+ * (AVX2) code in both.
+ *
  * Loop order: rows of x in chunks of MC (their int8 copy stays in cache), threads split the
  * groups (OpenMP: torch's libgomp, so torch.set_num_threads applies), and a group's blocks
  * are read once per tile of MR rows of x: at M = 1 the weights stream from memory exactly
@@ -49,6 +62,7 @@
 #include "simd.h"
 
 #define QTARGET __attribute__((target("avx2,fma,f16c")))
+#define VTARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
 #define QK 32   /* weights per block */
 #define MR 4    /* rows of x per tile */
@@ -228,6 +242,134 @@ INLINE QTARGET void tile_iq4_nl(TILE_PARAMS) {
     for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
 }
 
+/* ---- the same tiles on AVX-512 VNNI ---------------------------------------------------- */
+
+/* x's 4-byte groups a (into lanes 0-7) and b (lanes 8-15) of a block's 32 bytes xb. */
+INLINE VTARGET __m512i pair4(__m256i xb, int a, int b) {
+    const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(a)),
+                                           _mm256_set1_epi32(b), 1);
+    return _mm512_permutexvar_epi32(idx, _mm512_castsi256_si512(xb));
+}
+
+/* The 8 rows' sums: lanes 0-7 plus lanes 8-15. */
+INLINE VTARGET __m256i halves(__m512i s) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+}
+
+/* acc += (the block's integer sums) * d * dx, (+ o * sx): tile_q4's float operations. */
+INLINE VTARGET __m256 scale_add(__m256 acc, __m256i s, __m256 d, float dx) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc);
+}
+
+INLINE VTARGET void tile_q4_vnni(const int with_m, const int q5, TILE_PARAMS) {
+    const int64_t bsize = 16 + (with_m ? 16 : 0) + (q5 ? 32 : 0) + 128;
+    const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+    /* quads (0, 1) and (2, 3) of the low nibbles: values 0-7 and 8-15; of the high
+     * nibbles: 16-23 and 24-31. Q5's fifth bits of quad c sit at bit c of each lane byte
+     * of h (low nibbles) and at bit 4 + c (high): tile_q4's shifts to bit 4, per half. */
+    const __m512i sl01 = _mm512_inserti64x4(_mm512_set1_epi32(4), _mm256_set1_epi32(3), 1);
+    const __m512i sl23 = _mm512_inserti64x4(_mm512_set1_epi32(2), _mm256_set1_epi32(1), 1);
+    const __m512i sr01 = _mm512_inserti64x4(_mm512_set1_epi32(0), _mm256_set1_epi32(1), 1);
+    const __m512i sr23 = _mm512_inserti64x4(_mm512_set1_epi32(2), _mm256_set1_epi32(3), 1);
+    __m256 acc[MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bsize;
+        const uint8_t *qh = blk + (with_m ? 32 : 16), *qs = qh + (q5 ? 32 : 0);
+        _mm_prefetch((const char *)(blk + 8 * bsize), _MM_HINT_T0);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 o = with_m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
+                                : _mm256_mul_ps(d, _mm256_set1_ps(q5 ? -16.0f : -8.0f));
+        const __m512i v01 = _mm512_loadu_si512(qs), v23 = _mm512_loadu_si512(qs + 64);
+        __m512i lo01 = _mm512_and_si512(v01, low), lo23 = _mm512_and_si512(v23, low);
+        __m512i hi01 = _mm512_and_si512(_mm512_srli_epi16(v01, 4), low);
+        __m512i hi23 = _mm512_and_si512(_mm512_srli_epi16(v23, 4), low);
+        if (q5) {
+            const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qh));
+            lo01 = _mm512_or_si512(lo01, _mm512_and_si512(_mm512_sllv_epi32(h, sl01), fifth));
+            lo23 = _mm512_or_si512(lo23, _mm512_and_si512(_mm512_sllv_epi32(h, sl23), fifth));
+            hi01 = _mm512_or_si512(hi01, _mm512_and_si512(_mm512_srlv_epi32(h, sr01), fifth));
+            hi23 = _mm512_or_si512(hi23, _mm512_and_si512(_mm512_srlv_epi32(h, sr23), fifth));
+        }
+        for (int i = 0; i < mr; i++) {
+            const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + i * K + b * QK));
+            __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo01, pair4(xb, 0, 1));
+            s = _mm512_dpbusd_epi32(s, lo23, pair4(xb, 2, 3));
+            s = _mm512_dpbusd_epi32(s, hi01, pair4(xb, 4, 5));
+            s = _mm512_dpbusd_epi32(s, hi23, pair4(xb, 6, 7));
+            acc[i] = scale_add(acc[i], halves(s), d, dx[i * nb + b]);
+            acc[i] = _mm256_fmadd_ps(o, _mm256_set1_ps(sx[i * nb + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
+}
+
+/* |q| x (x negated where q < 0) into s: signed weights' products. */
+INLINE VTARGET __m512i dot_signed(__m512i s, __m512i abs_q, __mmask64 neg, __m512i x) {
+    return _mm512_dpbusd_epi32(s, abs_q, _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
+}
+
+INLINE VTARGET void tile_q8_0_vnni(TILE_PARAMS) {
+    (void)sx;
+    __m256 acc[MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * 272;
+        const uint8_t *qs = blk + 16;
+        for (int l = 0; l < 5; l++)
+            _mm_prefetch((const char *)(blk + 4 * 272 + 64 * l), _MM_HINT_T0);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m512i a[4];
+        __mmask64 neg[4];
+        for (int p = 0; p < 4; p++) {          /* quads 2p and 2p + 1 */
+            const __m512i q = _mm512_loadu_si512(qs + 64 * p);
+            a[p] = _mm512_abs_epi8(q);
+            neg[p] = _mm512_movepi8_mask(q);
+        }
+        for (int i = 0; i < mr; i++) {
+            const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + i * K + b * QK));
+            __m512i s = _mm512_setzero_si512();
+            for (int p = 0; p < 4; p++)
+                s = dot_signed(s, a[p], neg[p], pair4(xb, 2 * p, 2 * p + 1));
+            acc[i] = scale_add(acc[i], halves(s), d, dx[i * nb + b]);
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
+}
+
+INLINE VTARGET void tile_iq4_nl_vnni(TILE_PARAMS) {
+    (void)sx;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(
+        -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+    __m256 acc[MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * 144;
+        _mm_prefetch((const char *)(blk + 8 * 144), _MM_HINT_T0);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m512i a[4];                          /* lo01, lo23, hi01, hi23 as in tile_q4_vnni */
+        __mmask64 neg[4];
+        for (int h = 0; h < 2; h++) {
+            const __m512i v = _mm512_loadu_si512(blk + 16 + 64 * h);
+            const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low));
+            const __m512i hi = _mm512_shuffle_epi8(
+                table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+            a[h] = _mm512_abs_epi8(lo), neg[h] = _mm512_movepi8_mask(lo);
+            a[2 + h] = _mm512_abs_epi8(hi), neg[2 + h] = _mm512_movepi8_mask(hi);
+        }
+        for (int i = 0; i < mr; i++) {
+            const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + i * K + b * QK));
+            __m512i s = dot_signed(_mm512_setzero_si512(), a[0], neg[0], pair4(xb, 0, 1));
+            s = dot_signed(s, a[1], neg[1], pair4(xb, 2, 3));
+            s = dot_signed(s, a[2], neg[2], pair4(xb, 4, 5));
+            s = dot_signed(s, a[3], neg[3], pair4(xb, 6, 7));
+            acc[i] = scale_add(acc[i], halves(s), d, dx[i * nb + b]);
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
+}
+
 /* Every mr gets its own unrolled copy, so the accumulators stay in registers. */
 #define TILE_SWITCH(call)                                                       \
     switch (mr) {                                                               \
@@ -236,6 +378,41 @@ INLINE QTARGET void tile_iq4_nl(TILE_PARAMS) {
         case 3: { const int mr_ = 3; call; break; }                             \
         default: { const int mr_ = 4; call; break; }                            \
     }
+
+/* One tile's 8 outputs of each of its mr rows, by type, on each ISA (the same bits). */
+typedef void TilesFn(int type, TILE_PARAMS);
+
+static QTARGET void tiles_avx2(int type, TILE_PARAMS) {
+    if (type == GGML_Q8_0) {
+        TILE_SWITCH(tile_q8_0(mr_, w, nb, xq, K, dx, sx, out))
+    } else if (type == GGML_Q4_1) {
+        TILE_SWITCH(tile_q4(1, 0, mr_, w, nb, xq, K, dx, sx, out))
+    } else if (type == GGML_Q4_0) {
+        TILE_SWITCH(tile_q4(0, 0, mr_, w, nb, xq, K, dx, sx, out))
+    } else if (type == GGML_IQ4_NL) {
+        TILE_SWITCH(tile_iq4_nl(mr_, w, nb, xq, K, dx, sx, out))
+    } else if (type == GGML_Q5_1) {
+        TILE_SWITCH(tile_q4(1, 1, mr_, w, nb, xq, K, dx, sx, out))
+    } else {
+        TILE_SWITCH(tile_q4(0, 1, mr_, w, nb, xq, K, dx, sx, out))
+    }
+}
+
+static VTARGET void tiles_vnni(int type, TILE_PARAMS) {
+    if (type == GGML_Q8_0) {
+        TILE_SWITCH(tile_q8_0_vnni(mr_, w, nb, xq, K, dx, sx, out))
+    } else if (type == GGML_Q4_1) {
+        TILE_SWITCH(tile_q4_vnni(1, 0, mr_, w, nb, xq, K, dx, sx, out))
+    } else if (type == GGML_Q4_0) {
+        TILE_SWITCH(tile_q4_vnni(0, 0, mr_, w, nb, xq, K, dx, sx, out))
+    } else if (type == GGML_IQ4_NL) {
+        TILE_SWITCH(tile_iq4_nl_vnni(mr_, w, nb, xq, K, dx, sx, out))
+    } else if (type == GGML_Q5_1) {
+        TILE_SWITCH(tile_q4_vnni(1, 1, mr_, w, nb, xq, K, dx, sx, out))
+    } else {
+        TILE_SWITCH(tile_q4_vnni(0, 1, mr_, w, nb, xq, K, dx, sx, out))
+    }
+}
 
 /* ---- driver --------------------------------------------------------------------------- */
 
@@ -255,9 +432,10 @@ static int64_t group_block_bytes(int type) {
 }
 
 /* w: ceil(N / 8) groups as above; y's rows are ldy apart (a part of a wider output:
- * blocks.c, zs_linear_parts). Returns 0, or -1 if the scratch buffer could not be
- * allocated or the type is not served (y is then untouched). */
-QTARGET int zs_linear_quant(int type, const float *x, int64_t M, int64_t K, const uint8_t *w,
+ * blocks.c, zs_linear_parts); vnni: the AVX-512 VNNI tiles, else AVX2's. Returns 0, or -1
+ * if the scratch buffer could not be allocated or the type is not served (y is then
+ * untouched). */
+QTARGET int zs_linear_quant(int vnni, int type, const float *x, int64_t M, int64_t K, const uint8_t *w,
                             int64_t N, const float *bias, float *y, int64_t ldy) {
     const int64_t nb = K / QK, groups = (N + 7) / 8;
     const int64_t group_bytes = nb * group_block_bytes(type);
@@ -271,6 +449,7 @@ QTARGET int zs_linear_quant(int type, const float *x, int64_t M, int64_t K, cons
     }
     int8_t *xq = scratch;
     float *dx = (float *)(scratch + rows * K), *sx = dx + rows * nb;
+    TilesFn *const tiles = vnni ? tiles_vnni : tiles_avx2;
 #pragma omp parallel
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t mc = M - m0 < MC ? M - m0 : MC;
@@ -286,19 +465,7 @@ QTARGET int zs_linear_quant(int type, const float *x, int64_t M, int64_t K, cons
                 const int8_t *xt = xq + i0 * K;
                 const float *dt = dx + i0 * nb, *st = sx + i0 * nb;
                 float out[MR][8];
-                if (type == GGML_Q8_0) {
-                    TILE_SWITCH(tile_q8_0(mr_, wg, nb, xt, K, dt, st, out))
-                } else if (type == GGML_Q4_1) {
-                    TILE_SWITCH(tile_q4(1, 0, mr_, wg, nb, xt, K, dt, st, out))
-                } else if (type == GGML_Q4_0) {
-                    TILE_SWITCH(tile_q4(0, 0, mr_, wg, nb, xt, K, dt, st, out))
-                } else if (type == GGML_IQ4_NL) {
-                    TILE_SWITCH(tile_iq4_nl(mr_, wg, nb, xt, K, dt, st, out))
-                } else if (type == GGML_Q5_1) {
-                    TILE_SWITCH(tile_q4(1, 1, mr_, wg, nb, xt, K, dt, st, out))
-                } else {
-                    TILE_SWITCH(tile_q4(0, 1, mr_, wg, nb, xt, K, dt, st, out))
-                }
+                tiles(type, mr, wg, nb, xt, K, dt, st, out);
                 for (int i = 0; i < mr; i++) {
                     float *yi = y + (m0 + i0 + i) * ldy + n0;
                     for (int64_t j = 0; j < nn; j++) yi[j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
