@@ -19,8 +19,6 @@ back to the system (TRIM_AFTER). `model`, when given, must name the served model
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -30,6 +28,7 @@ from starlette.routing import Route
 
 from api_proc.boundary import BadRequest, dumps, error_response, read_json
 from wire.messages import ChatMessage
+from wire.proc import return_freed_heap
 from wire.server_args import ServerConfig
 
 MAX_PROMPTS = 1024          # prompts (or id lists) in one call
@@ -152,17 +151,9 @@ def _then_trim(work, body: dict) -> bytes:
     """work(body); after a big answer, glibc's malloc_trim (where there is one): the process
     otherwise keeps the heap the call freed (4 x 1,024 x 7 KB: 36 MB more)."""
     content = work(body)
-    if len(content) > TRIM_AFTER and (trim := _malloc_trim()) is not None:
-        trim(0)
+    if len(content) > TRIM_AFTER:
+        return_freed_heap()
     return content
-
-
-@functools.cache
-def _malloc_trim():
-    try:
-        return ctypes.CDLL(None).malloc_trim      # glibc; not musl, not macOS
-    except (OSError, AttributeError):
-        return None
 
 
 def _json(value) -> bytes:

@@ -26,7 +26,6 @@ another type, stay in the dtype.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import json
 import logging
@@ -46,6 +45,7 @@ from .cpu_linear import CpuLinear
 from .fast_decode import FastDecode
 from .packed import PackedLinear, can_pack
 from .quant_linear import KEPT_TYPES, QuantEmbedding, QuantLinear, quantize_q8_0
+from wire.proc import return_freed_heap
 from wire.server_args import INT8_BATCH, QUANTIZATIONS, quantization_refusal
 from .tp import VOCAB_PARTS, Selection, Shard
 
@@ -114,20 +114,8 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.d
             model.lm_head.weight.data = model.embed_tokens.weight.data
         _replace_linears(model, layer)
     model.fast = FastDecode.of(model)
-    _return_freed_heap()
+    return_freed_heap()        # the temporaries' pages: ~24 MB of the default model's
     return model
-
-
-def _return_freed_heap() -> None:
-    """Give the C heap's free pages back to the system (glibc's malloc_trim; elsewhere a
-    no-op). Loading frees many temporaries (a GGUF tensor's bytes, regrouped copies, a
-    dequantized layer's float32 before packing) small enough to come from the heap, and
-    glibc keeps a freed heap's pages resident: ~24 MB of the default model's scheduler
-    just after load, otherwise held for the life of the process."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def describe_weights(model: nn.Module) -> dict:
