@@ -70,8 +70,9 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.d
     pack: lay the linear weights out for a CPU kernel (cpu_linear.py, else oneDNN's:
     packed.py); None: wherever one is available; False: keep plain nn.Linear.
     tp: the tensor-parallel group (models/distributed.py): load only this rank's share.
-    quantization: one of QUANTIZATIONS (module docstring). int8_batch: where Q8_0 / Q4_0 /
-    Q4_1 / Q5_0 / Q5_1 / IQ4_NL layers round activations to int8 (--int8-activation-batch; quant_linear.py)."""
+    quantization: one of QUANTIZATIONS (module docstring). int8_batch: where layers in
+    blocks (all types but Q2_K and Q3_K) round activations to int8
+    (--int8-activation-batch; quant_linear.py)."""
     from . import gguf
 
     gguf_path = gguf.find_gguf(model_path)

@@ -1,6 +1,6 @@
 """QuantLinear: a linear layer whose weight stays in GGUF's blocks in memory, run by our C
 kernels: kernels/blocks.c (float activations, every type below) and kernels/quant.c (x
-rounded to int8 per block, as llama.cpp does; Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL only).
+rounded to int8 per block, as llama.cpp does; every type but Q2_K and Q3_K).
 
 The weight is the file's own bytes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (blocks of 32),
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS (blocks of 256); or, for --quantization int8, Q8_0
@@ -18,7 +18,7 @@ decode.c alike):
   header). The output is the dequantized layer's up to float32 rounding, so greedy output
   is the dequantized model's. Every type at every M, except:
 - quant.c, x rounded to int8 per block of 32 (relative ~1e-3 of a typical output), for
-  Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL parts in model steps that run at least
+  parts of INT8_TYPES (all but Q2_K and Q3_K) in model steps that run at least
   `int8_batch` requests together (--int8-activation-batch, default INT8_BATCH = 32: large
   batches, llama.cpp's arithmetic). The batch is the step's number of requests
   (`step_batch`, which the scheduler's runner sets around each step; M rows of x for a
@@ -30,7 +30,7 @@ decode.c alike):
   rows of x on, and 1.3x at one row (0.036 against 0.046 ns a Q4_1 weight, two cores).
 Every part is kept regrouped 8 output rows at a time (`regroup`: the file's bytes, reordered
 so that each weight's 8 rows load into the 8 lanes of one vector); for quant.c's types
-(INT8_TYPES) that is quant.c's layout, so one copy serves both kernels.
+(INT8_TYPES) quant.c reads that layout too, so one copy serves both kernels.
 
 x and y are float32 for the kernels; another model dtype (bfloat16) is cast around them.
 Only where kernels.avx2_available(cpu); elsewhere the loader dequantizes (loader.py).
@@ -54,7 +54,8 @@ BLOCK_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
                "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34), "IQ4_NL": (20, 32, 18),
                "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144),
                "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "IQ4_XS": (23, 256, 136)}
-INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")   # quant.c's too
+INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL",      # quant.c's too
+              "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 # What the loader keeps in blocks: every type blocks.c serves (each has a vectorized path).
 KEPT_TYPES = (*INT8_TYPES, "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 MAX_PARTS = 3                            # blocks.c: ZS_MAX_PARTS
@@ -102,7 +103,7 @@ def regroup(qtype: str, blocks: torch.Tensor) -> torch.Tensor:
     rows to a multiple of 8), flat uint8, the same bytes reordered: a group's blocks in
     order, each block's fields one after another, a field of B bytes as B / w units of w
     bytes (w = 2 for the fp16 scales, else 4) with unit c of rows 0..7 side by side. For
-    INT8_TYPES this is quant.c's layout (its header comment), so one copy serves both
+    INT8_TYPES quant.c reads this layout too (its comments), so one copy serves both
     kernels; blocks.c reads every type from it (blocks_impl.h). One exception to "the
     same bytes": a Q5_0 / Q5_1 block's 32 fifth bits are reordered within their uint32
     (qh_bit), so that blocks.c finds a unit's eight beside its nibbles."""

@@ -171,7 +171,8 @@ def test_rows_of_the_groups_are_gguf_values(isa, qtype):
 def test_a_fused_layer_of_two_types(m):
     """q, k, v in Q4_K, Q4_K, Q6_K (Q4_K_M's attention): one QuantLinear of two parts (the
     two Q4_K merged), its output rows in part order, the bias split with them; each part's
-    rows equal that part alone. Four runs of types are refused (blocks.c takes three)."""
+    rows equal that part alone, on blocks.c's float kernel and on quant.c's int8 one (every
+    part of this layer has both). Four runs of types are refused (blocks.c takes three)."""
     rng = np.random.default_rng(m)
     k, rows = 512, (16, 8, 8, 13)
     four = ["Q4_K", "Q6_K", "Q4_K", "Q8_0"]           # four runs of one type: too many
@@ -181,7 +182,8 @@ def test_a_fused_layer_of_two_types(m):
     qtypes, rows = ["Q4_K", "Q4_K", "Q6_K"], rows[:3]
     parts = [quantized_blocks(rng, t, r, k) for t, r in zip(qtypes, rows)]
     bias = torch.from_numpy(rng.standard_normal(sum(rows)).astype(np.float32))
-    layer = QuantLinear(qtypes, [torch.from_numpy(p) for p in parts], k, bias)
+    layer = QuantLinear(qtypes, [torch.from_numpy(p) for p in parts], k, bias,
+                        int8_batch=10 ** 6)
     assert layer.qtype == "Q4_K+Q6_K" and layer.parts == [("Q4_K", 24), ("Q6_K", 8)]
     assert sum(b.numel() for b in layer.buffers()) == sum(p.size for p in parts)  # the file's
     # bytes (the row counts here are multiples of 8: no padding rows)
@@ -190,8 +192,15 @@ def test_a_fused_layer_of_two_types(m):
     w = torch.cat([dequantize(t, torch.from_numpy(p), k) for t, p in zip(qtypes, parts)])
     off = torch.cat([offsets(t, p, k) for t, p in zip(qtypes, parts)])
     assert_within_summation(y, x, w, bias, off)
-    alone = QuantLinear("Q6_K", torch.from_numpy(parts[2]), k, bias[24:].clone())
-    assert torch.equal(y[:, 24:], alone(x))
+    for int8_batch in (10 ** 6, 1):
+        fused = QuantLinear(qtypes, [torch.from_numpy(p) for p in parts], k, bias,
+                            int8_batch=int8_batch)(x)
+        q4 = QuantLinear("Q4_K", torch.from_numpy(np.concatenate(parts[:2])), k,
+                         bias[:24].clone(), int8_batch=int8_batch)
+        q6 = QuantLinear("Q6_K", torch.from_numpy(parts[2]), k, bias[24:].clone(),
+                         int8_batch=int8_batch)
+        assert torch.equal(fused, torch.cat([q4(x), q6(x)], dim=1)), int8_batch
+    assert not torch.equal(fused, y)                  # int8: x really was rounded
 
 
 @needs_kernels
@@ -236,13 +245,16 @@ def test_int8_from_int8_batch_float_below(qtype):
 
 
 @needs_kernels
-def test_k_quant_layer_stays_float_at_every_m():
-    """Types without an int8 kernel stay on blocks.c at any M (a 64-row prefill too)."""
+@pytest.mark.parametrize("qtype", sorted(set(BLOCK_TYPES) - set(INT8_TYPES)))
+def test_types_without_int8_stay_float_at_every_m(qtype):
+    """Types without an int8 kernel (Q2_K, Q3_K) stay on blocks.c at any M (a 64-row
+    prefill too)."""
+    assert sorted(set(BLOCK_TYPES) - set(INT8_TYPES)) == ["Q2_K", "Q3_K"]
     rng = np.random.default_rng(11)
-    blocks = torch.from_numpy(quantized_blocks(rng, "Q5_K", 9, 256))
+    blocks = torch.from_numpy(quantized_blocks(rng, qtype, 9, 256))
     x = torch.from_numpy(rng.standard_normal((64, 256)).astype(np.float32))
-    assert_within_summation(QuantLinear("Q5_K", blocks, 256)(x), x,
-                            dequantize("Q5_K", blocks, 256))
+    assert_within_summation(QuantLinear(qtype, blocks, 256)(x), x,
+                            dequantize(qtype, blocks, 256))
 
 
 def test_struct_matches_blocks_c():

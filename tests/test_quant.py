@@ -37,7 +37,8 @@ from torch import nn
 from launch import resolve_quantization
 from models import kernels
 from models import load_model
-from models.quant_linear import BLOCK_TYPES, QuantLinear, dequantize, quantize_q8_0, regroup
+from models.quant_linear import (BLOCK_TYPES, INT8_BATCH, QuantLinear, dequantize, quantize_q8_0,
+                                 regroup, step_batch)
 from test_blocks import random_blocks
 from test_gguf import our_greedy_with_margins, our_logits, smollm2_path, write_gguf
 from tests.reference import assert_greedy_through_ties
@@ -46,7 +47,7 @@ from wire.model_path import StartupError
 from wire.server_args import ServerArgs
 
 T = gguf.GGMLQuantizationType
-TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"]
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
 needs_kernels = pytest.mark.skipif(not kernels.avx2_available("cpu"),
                                    reason="no AVX2/FMA/F16C or no C compiler: the quantized "
                                           "kernels cannot run here (the loader dequantizes)")
@@ -84,12 +85,20 @@ def run_quant(isa: str, qtype: str, blocks: torch.Tensor, x: torch.Tensor, bias=
 
 
 SHAPES = [(1, 37, 96), (1, 5, 32), (3, 64, 160), (32, 129, 576), (33, 17, 64), (70, 40, 96)]
+# the same for blocks of 256 (Q4_K, Q5_K, Q6_K, IQ4_XS): K a multiple of 256
+SHAPES_256 = [(1, 37, 256), (3, 64, 512), (32, 129, 768), (33, 17, 256), (70, 40, 1536)]
+
+
+def shapes(qtype: str):
+    return SHAPES_256 if BLOCK_TYPES[qtype][1] == 256 else SHAPES
+
+
+KERNEL_CASES = [(q, *shape) for q in TYPES for shape in shapes(q)]
 
 
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("qtype,m,n,k", KERNEL_CASES)
 def test_kernel_exact_on_int8_representable_x(isa, qtype, m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     blocks = blocks_of(torch.randn(n, k, generator=g), qtype)
@@ -107,8 +116,7 @@ def test_kernel_exact_on_int8_representable_x(isa, qtype, m, n, k):
 
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("qtype,m,n,k", KERNEL_CASES)
 def test_kernel_within_int8_rounding_of_x(isa, qtype, m, n, k):
     g = torch.Generator().manual_seed(m + n * 7 + k)
     blocks = blocks_of(torch.randn(n, k, generator=g), qtype)
@@ -132,7 +140,7 @@ def test_vnni_equals_avx2_bit_for_bit(qtype):
     operations in the same order (quant.c's header): equal outputs, random codes included
     (every byte pattern, x of any size)."""
     rng = np.random.default_rng(5)
-    for m, n, k in SHAPES + [(64, 24, 1536)]:
+    for m, n, k in shapes(qtype) + [(64, 24, 1536)]:
         blocks = torch.from_numpy(random_blocks(rng, qtype, n, k))
         x = torch.from_numpy((rng.standard_normal((m, k)) * 4).astype(np.float32))
         bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
@@ -322,8 +330,8 @@ def test_q4_native_argmaxes_agree_with_dequantized(tiny_file, family, qtype):
     assert agree >= 0.9, agree
 
 
-# K-quant files as llama-quantize mixes them: Q4_K_M keeps attn_v and ffn_down (and the
-# output) in Q6_K, the rest in Q4_K; Q3_K_M those in Q4_K / Q6_K, the rest in Q3_K; Q2_K
+# K-quant files as llama-quantize mixes them: Q4_K_M (Q5_K_M) keeps attn_v and ffn_down (and
+# the output) in Q6_K, the rest in Q4_K (Q5_K); Q3_K_M those in Q4_K / Q6_K, the rest in Q3_K; Q2_K
 # those in Q3_K / Q6_K, the rest in Q2_K; Q6_K and IQ4_XS are one type throughout. Widths
 # of 256 (the K-quants' blocks), the weights quantized by checkpoints/gguf_quants.py.
 K_MIXES = {"Q4_K_M": (T.Q4_K, {"attn_v.weight": T.Q6_K, "ffn_down.weight": T.Q6_K,
@@ -332,6 +340,8 @@ K_MIXES = {"Q4_K_M": (T.Q4_K, {"attn_v.weight": T.Q6_K, "ffn_down.weight": T.Q6_
                                "output.weight": T.Q6_K}),
            "Q2_K": (T.Q2_K, {"attn_v.weight": T.Q3_K, "ffn_down.weight": T.Q3_K,
                              "output.weight": T.Q6_K}),
+           "Q5_K_M": (T.Q5_K, {"attn_v.weight": T.Q6_K, "ffn_down.weight": T.Q6_K,
+                               "output.weight": T.Q6_K}),
            "Q6_K": (T.Q6_K, {}), "IQ4_XS": (T.IQ4_XS, {})}
 
 
@@ -364,11 +374,12 @@ def k_file(tmp_path_factory):
 @needs_kernels
 @pytest.mark.parametrize("mix", sorted(K_MIXES))
 def test_k_quant_file_served_in_its_blocks(k_file, mix, caplog):
-    """Every linear layer of a Q4_K_M / Q3_K_M / Q2_K / Q6_K / IQ4_XS file stays in its
-    blocks (the fused q/k/v of the mixes in two parts, e.g. Q4_K and Q6_K), the weights
-    hold the file's bytes, and the model
-    agrees with the dequantized one: teacher-forced argmaxes (float activations: the same
-    up to float summation, so all but near ties) and greedy ids through near ties."""
+    """Every linear layer of a Q4_K_M / Q5_K_M / Q3_K_M / Q2_K / Q6_K / IQ4_XS file stays
+    in its blocks (the fused q/k/v of the mixes in two parts, e.g. Q4_K and Q6_K), the
+    weights hold the file's bytes, and the model, run as one request (step_batch(1): float
+    activations whatever the rows, as the server runs a request alone), agrees with the
+    dequantized one: teacher-forced argmaxes (the same up to float summation, so all but
+    near ties) and greedy ids through near ties."""
     path = k_file(mix)
     with caplog.at_level("INFO", logger="models.loader"):
         native = load_model(path, torch.float32, "cpu", quantization="gguf")
@@ -390,15 +401,36 @@ def test_k_quant_file_served_in_its_blocks(k_file, mix, caplog):
     summary = describe_weights(native)["linear_layers"]
     assert sum(summary.values()) == 4 * n + 1 and set(summary) == layers
     plain = load_model(path, torch.float32, "cpu", quantization="none")
-    agree, _ = agreement_and_ppl(native, plain, IDS)
-    assert agree >= 0.95, agree
-    compared = 0
-    for start in range(0, 32, 8):
-        prompt = IDS[start:start + 8].tolist()
-        ref_ids, margins = our_greedy_with_margins(plain, prompt, 16)
-        ours, _ = our_greedy_with_margins(native, prompt, 16)
-        compared += assert_greedy_through_ties(ours, ref_ids, margins, TINY_TIE, mix)
+    with step_batch(1):
+        agree, _ = agreement_and_ppl(native, plain, IDS)
+        assert agree >= 0.95, agree
+        compared = 0
+        for start in range(0, 32, 8):
+            prompt = IDS[start:start + 8].tolist()
+            ref_ids, margins = our_greedy_with_margins(plain, prompt, 16)
+            ours, _ = our_greedy_with_margins(native, prompt, 16)
+            compared += assert_greedy_through_ties(ours, ref_ids, margins, TINY_TIE, mix)
     assert compared >= 4 * 16 // 2
+
+
+@needs_kernels
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS"])
+def test_k_quant_file_in_int8_is_dequantized_with_int8_inputs(k_file, mix):
+    """Where the batch is large (here 64 rows outside a model step: past INT8_BATCH) every
+    layer of these files takes quant.c: the model equals the dequantized one whose linear
+    inputs are rounded as the kernel rounds them, at most positions (as
+    test_native_model_is_dequantized_model_with_int8_inputs argues), and differs from the
+    float one everywhere (x really was rounded)."""
+    path = k_file(mix)
+    native = load_model(path, torch.float32, "cpu", quantization="gguf")
+    plain = load_model(path, torch.float32, "cpu", quantization="none", pack=False)
+    assert len(IDS) >= INT8_BATCH
+    expected = our_logits(plain, IDS)
+    emulated = our_logits(with_int8_inputs(plain), IDS)
+    got = our_logits(native, IDS)
+    same = (got - emulated).abs().amax(-1) < 1e-4 * expected.std()          # per position
+    assert same.float().mean() >= 0.5, same.float().mean()
+    assert not ((got - expected).abs().amax(-1) < 1e-4 * expected.std()).any()
 
 
 # ---- the real model: SmolLM2-135M-Instruct, its Q4_1 file and requantizations of it ----

@@ -75,7 +75,7 @@ def flag_type(annotation) -> type:
 
 QUANTIZATIONS = ("none", "gguf", "int8")                 # what --quantization resolves to
 # --int8-activation-batch' default: model steps that run at least this many requests
-# together take the int8 kernel in Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL layers
+# together take the int8 kernel in layers of every block type but Q2_K and Q3_K
 # (models/quant_linear.py: the rule); smaller ones (a request alone, a few streams,
 # whatever the prompts' lengths) multiply float activations: the dequantized model's
 # output. From 8 rows of x on the int8 kernel is about twice as fast a row (AVX2: integer
@@ -111,14 +111,14 @@ class ServerArgs:
                              choices=["auto", *QUANTIZATIONS])
     int8_activation_batch: int = _opt(INT8_BATCH, "Model steps running at least this many "
                                       "requests together round activations to int8 per "
-                                      "block of 32 in Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL layers "
+                                      "block of 32 in layers of GGUF blocks "
                                       "(llama.cpp's "
                                       "arithmetic, about twice as fast a row at large "
                                       "batches); smaller steps multiply by float "
                                       "activations, each block dequantized in registers: "
                                       "the dequantized model's output up to float "
-                                      "rounding, whatever the prompt's length. The "
-                                      "K-quants and IQ4_XS always take float activations. "
+                                      "rounding, whatever the prompt's length. Q2_K "
+                                      "and Q3_K always take float activations. "
                                       "1: int8 "
                                       "always (the fastest); 1000000: float always.")
     kv_cache_dtype: str = _opt("auto", "What the KV cache holds (auto: --dtype). int8: each "

@@ -3,7 +3,7 @@
     linear.c       y = x W^T + b on weights laid out in panels (models/cpu_linear.py)
     blocks.c       y = x W^T + b on GGUF's blocks (every type QuantLinear serves), float x:
                    each block dequantized in registers (models/quant_linear.py)
-    quant.c        the same on Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL blocks with x rounded
+    quant.c        the same on every type but Q2_K and Q3_K with x rounded
                    to int8 (large batches): AVX2, or AVX-512 VNNI where `vnni_available`
     attention.c    decode attention read in place from the paged KV pool (attention.py)
     elementwise.c  residual add + RMSNorm, RoPE, SiLU-and-multiply (models/llama.py)

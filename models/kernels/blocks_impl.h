@@ -633,33 +633,9 @@ INLINE BT __m256 SFX(row_q8_0)(const uint8_t *gb, const float *x, __m256 acc) {
 }
 
 /* Byte j (< 4) of each lane, as int32. */
-INLINE BT __m256i SFX(byte_at)(__m256i v, int j) {
-    return _mm256_and_si256(_mm256_srli_epi32(v, 8 * j), _mm256_set1_epi32(255));
-}
-
-/* Q4_K and Q5_K (block_k4's fields): the 8 six-bit scales and mins of 8 rows, vectorized
- * (scale_min_k4's bits: scales units u0, u1, u2 = bytes 0-3, 4-7, 8-11 of each row). */
+/* Q4_K and Q5_K (block_k4's fields): the 8 six-bit scales and mins of 8 rows (simd.h). */
 INLINE BT void SFX(scales_k4_x8)(const uint8_t *gb, __m256 ds[8], __m256 dm[8]) {
-    const __m256 d = SFX(f16x8)(gb), dmin = SFX(f16x8)(gb + 16);
-    const __m256i u0 = _mm256_loadu_si256((const __m256i *)(gb + 32));
-    const __m256i u1 = _mm256_loadu_si256((const __m256i *)(gb + 64));
-    const __m256i u2 = _mm256_loadu_si256((const __m256i *)(gb + 96));
-    const __m256i six = _mm256_set1_epi32(63), four = _mm256_set1_epi32(15);
-    _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
-        __m256i sc, mn;
-        if (j < 4) {
-            sc = _mm256_and_si256(SFX(byte_at)(u0, j), six);
-            mn = _mm256_and_si256(SFX(byte_at)(u1, j), six);
-        } else {
-            const __m256i b2 = SFX(byte_at)(u2, j - 4);
-            sc = _mm256_or_si256(_mm256_and_si256(b2, four),
-                                 _mm256_slli_epi32(_mm256_srli_epi32(SFX(byte_at)(u0, j - 4), 6), 4));
-            mn = _mm256_or_si256(_mm256_srli_epi32(b2, 4),
-                                 _mm256_slli_epi32(_mm256_srli_epi32(SFX(byte_at)(u1, j - 4), 6), 4));
-        }
-        ds[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
-        dm[j] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn));
-    }
+    k4_scales8(gb + 32, SFX(f16x8)(gb), SFX(f16x8)(gb + 16), ds, dm);
 }
 
 /* Q4_K, Q5_K: qs byte 4c + t of part j (c < 8) is value 4c + t of sub-block 2j (nibble 2t

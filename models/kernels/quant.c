@@ -69,7 +69,8 @@
 #define MC 64   /* rows of x per chunk */
 
 enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7,   /* gguf.GGMLQuantizationType */
-       GGML_Q8_0 = 8, GGML_IQ4_NL = 20 };
+       GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_IQ4_NL = 20,
+       GGML_IQ4_XS = 23 };
 
 INLINE QTARGET float fp16(const uint8_t *p) {
     uint16_t h;
@@ -242,6 +243,174 @@ INLINE QTARGET void tile_iq4_nl(TILE_PARAMS) {
     for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
 }
 
+/* acc += (a sub-block's integer sums) * ds * dx: the 256-blocks' float step, the same on
+ * both ISAs. */
+INLINE QTARGET __m256 k_scale_add(__m256 acc, __m256i s, __m256 ds, float dx) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(ds, _mm256_set1_ps(dx)), acc);
+}
+
+/* ---- blocks of 256 (Q4_K, Q5_K, Q6_K, IQ4_XS): blocks.c's group layout ---------------- *
+ * Each of their sub-blocks lies within one block of 32 of x, so its integer sum takes x's
+ * scale dx and then its own: per sub-block one more float multiply than a block of 32
+ * above. nb counts x's blocks of 32 (8 to a weight block). Fields (regroup's units of 8
+ * rows; blocks_impl.h says the positions):
+ *   Q4_K / Q5_K  d, dmin (16 bytes each), scales (3 units) at 32, Q5_K's qh (8 units) at
+ *                128, qs (32 units) at 128 / 384: unit 8j + u holds quad u of sub-block
+ *                2j in its low nibbles and of 2j + 1 in its high ones; w = ds q - dm;
+ *   Q6_K         ql (32 units), qh (16) at 1024, int8 scales (4) at 1536, d at 1664; x
+ *                block 4h + t's quad cq is ql unit 16h + 8(t % 2) + cq (nibble t / 2) with
+ *                qh unit 8h + cq (bits 2t), w = d sc (q - 32), a scale per 16 values;
+ *   IQ4_XS       d, scales_h (a uint16 a row) at 16, scales_l (1 unit) at 32, qs (32
+ *                units) at 64: sub-block i is IQ4_NL's block in units 4i..4i+3, scale
+ *                d (ls - 32).
+ * Q6_K's codes q - 32 (|.| <= 32) multiply as signed bytes (Q8_0's way: 4 pair sums of at
+ * most 2 * 32 * 127 in s16); Q5_K's five-bit codes widen after 4 (as Q5_0). */
+
+INLINE QTARGET void tile_k4(const int q5, TILE_PARAMS) {
+    const int64_t bsize = q5 ? 1408 : 1152;
+    const __m256i low = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t B = 0; B < nb / 8; B++) {
+        const uint8_t *blk = w + B * bsize;
+        const uint8_t *qh = blk + 128, *qs = blk + (q5 ? 384 : 128);
+        _mm_prefetch((const char *)(blk + 2 * bsize), _MM_HINT_T0);
+        __m256 ds[8], dm[8];
+        k4_scales8(blk + 32, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)),
+                   _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))), ds, dm);
+        for (int sb = 0; sb < 8; sb++) {               /* sub-block sb: nibble sb % 2 of */
+            const int j = sb / 2, half = sb % 2;       /* units 8j.., x block 8B + sb */
+            __m256i q[8];
+            for (int u = 0; u < 8; u++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * (8 * j + u)));
+                q[u] = _mm256_and_si256(half ? _mm256_srli_epi16(v, 4) : v, low);
+                if (q5) {                              /* bit sb of each byte -> bit 4 */
+                    const __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 32 * u));
+                    const __m256i at4 = sb <= 4 ? _mm256_slli_epi16(h, 4 - sb)
+                                                : _mm256_srli_epi16(h, sb - 4);
+                    q[u] = _mm256_or_si256(q[u], _mm256_and_si256(at4, fifth));
+                }
+            }
+            const int64_t b = 8 * B + sb;
+            for (int i = 0; i < mr; i++) {
+                const int8_t *x = xq + i * K + b * QK;
+                __m256i s = _mm256_setzero_si256(), p = _mm256_setzero_si256();
+                for (int u = 0; u < 8; u++) {
+                    if (q5 && u == 4) {                /* 4 results of at most 7874: widen */
+                        s = _mm256_madd_epi16(p, ones);
+                        p = _mm256_setzero_si256();
+                    }
+                    p = _mm256_add_epi16(p, _mm256_maddubs_epi16(q[u], bcast4(x + 4 * u)));
+                }
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+                acc[i] = k_scale_add(acc[i], s, ds[sb], dx[i * nb + b]);
+                acc[i] = _mm256_fnmadd_ps(dm[sb], _mm256_set1_ps(sx[i * nb + b]), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
+}
+
+/* Q6_K's quads 4 half .. 4 half + 3 of x block 4h + t (one code byte q - 32 per value, 8
+ * rows a vector): sub-block 8h + 2t + half. */
+INLINE QTARGET void q6_codes(const uint8_t *blk, int h, int t, int half, __m256i q[4]) {
+    const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+    const __m256i off = _mm256_set1_epi8(32);
+    for (int cq = 4 * half; cq < 4 * half + 4; cq++) {
+        const __m256i L = _mm256_loadu_si256(
+            (const __m256i *)(blk + 32 * (16 * h + 8 * (t % 2) + cq)));
+        const __m256i V = _mm256_loadu_si256((const __m256i *)(blk + 1024 + 32 * (8 * h + cq)));
+        const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(L, 4 * (t / 2)), low);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(V, 2 * t), three);
+        q[cq % 4] = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), off);
+    }
+}
+
+/* d * the int8 scale of Q6_K sub-block sb (16 values), 8 rows. */
+INLINE QTARGET __m256 q6_scale(const uint8_t *blk, __m256 d, int sb) {
+    const __m256i u = _mm256_loadu_si256((const __m256i *)(blk + 1536 + 32 * (sb / 4)));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(
+        _mm256_srai_epi32(_mm256_slli_epi32(u, 24 - 8 * (sb % 4)), 24)));
+}
+
+INLINE QTARGET void tile_q6_k(TILE_PARAMS) {
+    (void)sx;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t B = 0; B < nb / 8; B++) {
+        const uint8_t *blk = w + B * 1680;
+        _mm_prefetch((const char *)(blk + 2 * 1680), _MM_HINT_T0);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 1664)));
+        for (int h = 0; h < 2; h++)
+            for (int t = 0; t < 4; t++) {
+                const int64_t b = 8 * B + 4 * h + t;
+                for (int half = 0; half < 2; half++) { /* sub-block 8h + 2t + half: quads */
+                    __m256i q[4], a[4];                /* 4 half .. 4 half + 3 */
+                    q6_codes(blk, h, t, half, q);
+                    for (int c = 0; c < 4; c++) a[c] = _mm256_sign_epi8(q[c], q[c]);
+                    const __m256 dsub = q6_scale(blk, d, 8 * h + 2 * t + half);
+                    for (int i = 0; i < mr; i++) {
+                        const int8_t *x = xq + i * K + b * QK + 16 * half;
+                        __m256i p = _mm256_setzero_si256();
+                        for (int c = 0; c < 4; c++)
+                            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(
+                                a[c], _mm256_sign_epi8(bcast4(x + 4 * c), q[c])));
+                        acc[i] = k_scale_add(acc[i], _mm256_madd_epi16(p, ones), dsub,
+                                             dx[i * nb + b]);
+                    }
+                }
+            }
+    }
+    for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
+}
+
+/* d * (ls - 32) of IQ4_XS sub-block i, 8 rows (sh: the rows' scales_h, sl: scales_l). */
+INLINE QTARGET __m256 xs_scale(__m256 d, __m256i sh, __m256i sl, int i) {
+    const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(sl, 4 * i), _mm256_set1_epi32(15));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(sh, 2 * i), _mm256_set1_epi32(3));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(
+        _mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32))));
+}
+
+INLINE QTARGET void tile_iq4_xs(TILE_PARAMS) {
+    (void)sx;
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t B = 0; B < nb / 8; B++) {
+        const uint8_t *blk = w + B * 1088;
+        _mm_prefetch((const char *)(blk + 2 * 1088), _MM_HINT_T0);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256i sh = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        const __m256i sl = _mm256_loadu_si256((const __m256i *)(blk + 32));
+        for (int ib = 0; ib < 8; ib++) {
+            const __m256 dl = xs_scale(d, sh, sl, ib);
+            __m256i lo[4], hi[4];
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * (4 * ib + c)));
+                lo[c] = iq4_values(_mm256_and_si256(v, low));
+                hi[c] = iq4_values(_mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+            }
+            const int64_t b = 8 * B + ib;
+            for (int i = 0; i < mr; i++) {
+                const int8_t *x = xq + i * K + b * QK;
+                __m256i s = _mm256_setzero_si256();
+                for (int c = 0; c < 4; c++) {
+                    const __m256i xl = bcast4(x + 4 * c), xh = bcast4(x + 16 + 4 * c);
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                        _mm256_sign_epi8(lo[c], lo[c]), _mm256_sign_epi8(xl, lo[c])), ones));
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                        _mm256_sign_epi8(hi[c], hi[c]), _mm256_sign_epi8(xh, hi[c])), ones));
+                }
+                acc[i] = k_scale_add(acc[i], s, dl, dx[i * nb + b]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
+}
+
 /* ---- the same tiles on AVX-512 VNNI ---------------------------------------------------- */
 
 /* x's 4-byte groups a (into lanes 0-7) and b (lanes 8-15) of a block's 32 bytes xb. */
@@ -370,6 +539,134 @@ INLINE VTARGET void tile_iq4_nl_vnni(TILE_PARAMS) {
     for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
 }
 
+INLINE VTARGET void tile_k4_vnni(const int q5, TILE_PARAMS) {
+    const int64_t bsize = q5 ? 1408 : 1152;
+    const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+    __m256 acc[MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t B = 0; B < nb / 8; B++) {
+        const uint8_t *blk = w + B * bsize;
+        const uint8_t *qh = blk + 128, *qs = blk + (q5 ? 384 : 128);
+        _mm_prefetch((const char *)(blk + 2 * bsize), _MM_HINT_T0);
+        __m256 ds[8], dm[8];
+        k4_scales8(blk + 32, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)),
+                   _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))), ds, dm);
+        for (int j = 0; j < 4; j++) {
+            __m512i lo[4], hi[4];                      /* units (2p, 2p + 1) of 8j.. */
+            for (int p = 0; p < 4; p++) {
+                const __m512i v = _mm512_loadu_si512(qs + 32 * (8 * j + 2 * p));
+                lo[p] = _mm512_and_si512(v, low);
+                hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                if (q5) {
+                    const __m512i h = _mm512_loadu_si512(qh + 64 * p);
+                    const __m512i h0 = 2 * j <= 4 ? _mm512_slli_epi16(h, 4 - 2 * j)
+                                                  : _mm512_srli_epi16(h, 2 * j - 4);
+                    const __m512i h1 = 2 * j + 1 <= 4 ? _mm512_slli_epi16(h, 3 - 2 * j)
+                                                      : _mm512_srli_epi16(h, 2 * j - 3);
+                    lo[p] = _mm512_or_si512(lo[p], _mm512_and_si512(h0, fifth));
+                    hi[p] = _mm512_or_si512(hi[p], _mm512_and_si512(h1, fifth));
+                }
+            }
+            const int64_t b0 = 8 * B + 2 * j;
+            for (int i = 0; i < mr; i++) {
+                const int8_t *x0 = xq + i * K + b0 * QK;
+                const __m256i xa = _mm256_loadu_si256((const __m256i *)x0);
+                const __m256i xb = _mm256_loadu_si256((const __m256i *)(x0 + QK));
+                __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+                for (int p = 0; p < 4; p++) {
+                    s0 = _mm512_dpbusd_epi32(s0, lo[p], pair4(xa, 2 * p, 2 * p + 1));
+                    s1 = _mm512_dpbusd_epi32(s1, hi[p], pair4(xb, 2 * p, 2 * p + 1));
+                }
+                const float *dxi = dx + i * nb, *sxi = sx + i * nb;
+                acc[i] = k_scale_add(acc[i], halves(s0), ds[2 * j], dxi[b0]);
+                acc[i] = _mm256_fnmadd_ps(dm[2 * j], _mm256_set1_ps(sxi[b0]), acc[i]);
+                acc[i] = k_scale_add(acc[i], halves(s1), ds[2 * j + 1], dxi[b0 + 1]);
+                acc[i] = _mm256_fnmadd_ps(dm[2 * j + 1], _mm256_set1_ps(sxi[b0 + 1]), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
+}
+
+INLINE VTARGET void tile_q6_k_vnni(TILE_PARAMS) {
+    (void)sx;
+    const __m512i low = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3);
+    const __m512i off = _mm512_set1_epi8(32);
+    __m256 acc[MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t B = 0; B < nb / 8; B++) {
+        const uint8_t *blk = w + B * 1680;
+        _mm_prefetch((const char *)(blk + 2 * 1680), _MM_HINT_T0);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 1664)));
+        for (int h = 0; h < 2; h++)
+            for (int t = 0; t < 4; t++) {
+                __m512i a[4];                          /* quads (2p, 2p + 1): q6_codes' */
+                __mmask64 neg[4];
+                for (int p = 0; p < 4; p++) {
+                    const __m512i L = _mm512_loadu_si512(blk + 32 * (16 * h + 8 * (t % 2) + 2 * p));
+                    const __m512i V = _mm512_loadu_si512(blk + 1024 + 32 * (8 * h + 2 * p));
+                    const __m512i lo = _mm512_and_si512(_mm512_srli_epi16(L, 4 * (t / 2)), low);
+                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(V, 2 * t), three);
+                    const __m512i q = _mm512_sub_epi8(_mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)), off);
+                    a[p] = _mm512_abs_epi8(q), neg[p] = _mm512_movepi8_mask(q);
+                }
+                const __m256 dA = q6_scale(blk, d, 8 * h + 2 * t);
+                const __m256 dB = q6_scale(blk, d, 8 * h + 2 * t + 1);
+                const int64_t b = 8 * B + 4 * h + t;
+                for (int i = 0; i < mr; i++) {
+                    const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + i * K + b * QK));
+                    __m512i sA = dot_signed(_mm512_setzero_si512(), a[0], neg[0], pair4(xb, 0, 1));
+                    sA = dot_signed(sA, a[1], neg[1], pair4(xb, 2, 3));
+                    __m512i sB = dot_signed(_mm512_setzero_si512(), a[2], neg[2], pair4(xb, 4, 5));
+                    sB = dot_signed(sB, a[3], neg[3], pair4(xb, 6, 7));
+                    const float dxb = dx[i * nb + b];
+                    acc[i] = k_scale_add(acc[i], halves(sA), dA, dxb);
+                    acc[i] = k_scale_add(acc[i], halves(sB), dB, dxb);
+                }
+            }
+    }
+    for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
+}
+
+INLINE VTARGET void tile_iq4_xs_vnni(TILE_PARAMS) {
+    (void)sx;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(
+        -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+    __m256 acc[MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t B = 0; B < nb / 8; B++) {
+        const uint8_t *blk = w + B * 1088;
+        _mm_prefetch((const char *)(blk + 2 * 1088), _MM_HINT_T0);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256i sh = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        const __m256i sl = _mm256_loadu_si256((const __m256i *)(blk + 32));
+        for (int ib = 0; ib < 8; ib++) {
+            const __m256 dl = xs_scale(d, sh, sl, ib);
+            __m512i a[4];                              /* lo01, lo23, hi01, hi23 */
+            __mmask64 neg[4];
+            for (int hf = 0; hf < 2; hf++) {
+                const __m512i v = _mm512_loadu_si512(blk + 64 + 32 * (4 * ib + 2 * hf));
+                const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low));
+                const __m512i hi = _mm512_shuffle_epi8(
+                    table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+                a[hf] = _mm512_abs_epi8(lo), neg[hf] = _mm512_movepi8_mask(lo);
+                a[2 + hf] = _mm512_abs_epi8(hi), neg[2 + hf] = _mm512_movepi8_mask(hi);
+            }
+            const int64_t b = 8 * B + ib;
+            for (int i = 0; i < mr; i++) {
+                const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + i * K + b * QK));
+                __m512i s = dot_signed(_mm512_setzero_si512(), a[0], neg[0], pair4(xb, 0, 1));
+                s = dot_signed(s, a[1], neg[1], pair4(xb, 2, 3));
+                s = dot_signed(s, a[2], neg[2], pair4(xb, 4, 5));
+                s = dot_signed(s, a[3], neg[3], pair4(xb, 6, 7));
+                acc[i] = k_scale_add(acc[i], halves(s), dl, dx[i * nb + b]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
+}
+
 /* Every mr gets its own unrolled copy, so the accumulators stay in registers. */
 #define TILE_SWITCH(call)                                                       \
     switch (mr) {                                                               \
@@ -393,8 +690,16 @@ static QTARGET void tiles_avx2(int type, TILE_PARAMS) {
         TILE_SWITCH(tile_iq4_nl(mr_, w, nb, xq, K, dx, sx, out))
     } else if (type == GGML_Q5_1) {
         TILE_SWITCH(tile_q4(1, 1, mr_, w, nb, xq, K, dx, sx, out))
-    } else {
+    } else if (type == GGML_Q5_0) {
         TILE_SWITCH(tile_q4(0, 1, mr_, w, nb, xq, K, dx, sx, out))
+    } else if (type == GGML_Q4_K) {
+        TILE_SWITCH(tile_k4(0, mr_, w, nb, xq, K, dx, sx, out))
+    } else if (type == GGML_Q5_K) {
+        TILE_SWITCH(tile_k4(1, mr_, w, nb, xq, K, dx, sx, out))
+    } else if (type == GGML_Q6_K) {
+        TILE_SWITCH(tile_q6_k(mr_, w, nb, xq, K, dx, sx, out))
+    } else {
+        TILE_SWITCH(tile_iq4_xs(mr_, w, nb, xq, K, dx, sx, out))
     }
 }
 
@@ -409,8 +714,16 @@ static VTARGET void tiles_vnni(int type, TILE_PARAMS) {
         TILE_SWITCH(tile_iq4_nl_vnni(mr_, w, nb, xq, K, dx, sx, out))
     } else if (type == GGML_Q5_1) {
         TILE_SWITCH(tile_q4_vnni(1, 1, mr_, w, nb, xq, K, dx, sx, out))
-    } else {
+    } else if (type == GGML_Q5_0) {
         TILE_SWITCH(tile_q4_vnni(0, 1, mr_, w, nb, xq, K, dx, sx, out))
+    } else if (type == GGML_Q4_K) {
+        TILE_SWITCH(tile_k4_vnni(0, mr_, w, nb, xq, K, dx, sx, out))
+    } else if (type == GGML_Q5_K) {
+        TILE_SWITCH(tile_k4_vnni(1, mr_, w, nb, xq, K, dx, sx, out))
+    } else if (type == GGML_Q6_K) {
+        TILE_SWITCH(tile_q6_k_vnni(mr_, w, nb, xq, K, dx, sx, out))
+    } else {
+        TILE_SWITCH(tile_iq4_xs_vnni(mr_, w, nb, xq, K, dx, sx, out))
     }
 }
 
@@ -427,8 +740,18 @@ static int64_t group_block_bytes(int type) {
         case GGML_Q4_1: return 160;
         case GGML_Q5_0: return 176;
         case GGML_Q5_1: return 192;
+        case GGML_Q4_K: return 1152;
+        case GGML_Q5_K: return 1408;
+        case GGML_Q6_K: return 1680;
+        case GGML_IQ4_XS: return 1088;
         default: return 0;
     }
+}
+
+/* x's blocks of 32 in one of the type's blocks. */
+static int64_t x_blocks_per_block(int type) {
+    return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K || type == GGML_IQ4_XS
+               ? 8 : 1;
 }
 
 /* w: ceil(N / 8) groups as above; y's rows are ldy apart (a part of a wider output:
@@ -437,8 +760,9 @@ static int64_t group_block_bytes(int type) {
  * untouched). */
 QTARGET int zs_linear_quant(int vnni, int type, const float *x, int64_t M, int64_t K, const uint8_t *w,
                             int64_t N, const float *bias, float *y, int64_t ldy) {
-    const int64_t nb = K / QK, groups = (N + 7) / 8;
-    const int64_t group_bytes = nb * group_block_bytes(type);
+    const int64_t nb = K / QK, groups = (N + 7) / 8, per = x_blocks_per_block(type);
+    const int64_t group_bytes = nb / per * group_block_bytes(type);
+    if (K % (QK * per)) return -1;
     const int64_t rows = M < MC ? M : MC;
     const size_t need = (size_t)rows * (size_t)(K + 8 * nb);   /* xq, then dx and sx */
     if (group_bytes == 0) return -1;

@@ -124,6 +124,36 @@ INLINE TARGET_AVX2 __m256i iq4_values(__m256i nibbles) {
     return _mm256_shuffle_epi8(table, nibbles);
 }
 
+/* Q4_K's and Q5_K's 8 six-bit scales and mins (gguf-py: Q4_K.get_scale_min) of 8 rows at
+ * once, times the rows' d and dmin: their 12 bytes regrouped as 3 units of 8 rows (u0, u1,
+ * u2 = bytes 0-3, 4-7, 8-11 of each row, at `scales`, `scales` + 32, + 64). blocks.c and
+ * quant.c. */
+INLINE TARGET_AVX2 void k4_scales8(const uint8_t *scales, __m256 d, __m256 dmin,
+                                   __m256 ds[8], __m256 dm[8]) {
+    const __m256i u0 = _mm256_loadu_si256((const __m256i *)scales);
+    const __m256i u1 = _mm256_loadu_si256((const __m256i *)(scales + 32));
+    const __m256i u2 = _mm256_loadu_si256((const __m256i *)(scales + 64));
+    const __m256i six = _mm256_set1_epi32(63), four = _mm256_set1_epi32(15);
+    const __m256i byte = _mm256_set1_epi32(255);
+#define K4_BYTE(u, j) _mm256_and_si256(_mm256_srli_epi32(u, 8 * (j)), byte)
+    _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
+        __m256i sc, mn;
+        if (j < 4) {
+            sc = _mm256_and_si256(K4_BYTE(u0, j), six);
+            mn = _mm256_and_si256(K4_BYTE(u1, j), six);
+        } else {
+            const __m256i b2 = K4_BYTE(u2, j - 4);
+            sc = _mm256_or_si256(_mm256_and_si256(b2, four),
+                                 _mm256_slli_epi32(_mm256_srli_epi32(K4_BYTE(u0, j - 4), 6), 4));
+            mn = _mm256_or_si256(_mm256_srli_epi32(b2, 4),
+                                 _mm256_slli_epi32(_mm256_srli_epi32(K4_BYTE(u1, j - 4), 6), 4));
+        }
+        ds[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+        dm[j] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn));
+    }
+#undef K4_BYTE
+}
+
 INLINE TARGET_AVX2 float hsum8_ps(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
