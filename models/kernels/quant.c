@@ -1,5 +1,6 @@
 /* zserve quantized linear kernels: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), float32 x and y,
- * W in GGUF's blocks of 32 weights, regrouped 8 output rows at a time. Two versions of the
+ * W in GGUF's blocks of 32 weights (and, further below, the K-quants' and IQ4_XS's blocks
+ * of 256 in blocks.c's layout), regrouped 8 output rows at a time. Two versions of the
  * block products: AVX2 + FMA + F16C (8 lanes, vpmaddubsw) and AVX-512 VNNI (16 lanes,
  * vpdpbusd; below), chosen by the caller (blocks.c: zs_linear_parts, from
  * kernels.vnni_available, the rule's one home).
