@@ -14,7 +14,6 @@ import logging
 from collections.abc import Sequence
 
 import zmq
-import zmq.asyncio
 
 from wire.codec import DecodeError, InboxDecoder, encode
 
