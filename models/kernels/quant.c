@@ -677,56 +677,28 @@ INLINE VTARGET void tile_iq4_xs_vnni(TILE_PARAMS) {
         default: { const int mr_ = 4; call; break; }                            \
     }
 
-/* One tile's 8 outputs of each of its mr rows, by type, on each ISA (the same bits). */
+/* One tile's 8 outputs of each of its mr rows, by type, on each ISA (the same bits): S is
+ * the tiles' suffix, empty for AVX2's, _vnni for AVX-512 VNNI's. */
 typedef void TilesFn(int type, TILE_PARAMS);
 
-static QTARGET void tiles_avx2(int type, TILE_PARAMS) {
-    if (type == GGML_Q8_0) {
-        TILE_SWITCH(tile_q8_0(mr_, w, nb, xq, K, dx, sx, out))
-    } else if (type == GGML_Q4_1) {
-        TILE_SWITCH(tile_q4(1, 0, mr_, w, nb, xq, K, dx, sx, out))
-    } else if (type == GGML_Q4_0) {
-        TILE_SWITCH(tile_q4(0, 0, mr_, w, nb, xq, K, dx, sx, out))
-    } else if (type == GGML_IQ4_NL) {
-        TILE_SWITCH(tile_iq4_nl(mr_, w, nb, xq, K, dx, sx, out))
-    } else if (type == GGML_Q5_1) {
-        TILE_SWITCH(tile_q4(1, 1, mr_, w, nb, xq, K, dx, sx, out))
-    } else if (type == GGML_Q5_0) {
-        TILE_SWITCH(tile_q4(0, 1, mr_, w, nb, xq, K, dx, sx, out))
-    } else if (type == GGML_Q4_K) {
-        TILE_SWITCH(tile_k4(0, mr_, w, nb, xq, K, dx, sx, out))
-    } else if (type == GGML_Q5_K) {
-        TILE_SWITCH(tile_k4(1, mr_, w, nb, xq, K, dx, sx, out))
-    } else if (type == GGML_Q6_K) {
-        TILE_SWITCH(tile_q6_k(mr_, w, nb, xq, K, dx, sx, out))
-    } else {
-        TILE_SWITCH(tile_iq4_xs(mr_, w, nb, xq, K, dx, sx, out))
+#define TILE_ARGS mr_, w, nb, xq, K, dx, sx, out
+#define TILES_BY_TYPE(S)                                                                \
+    switch (type) {                                                                     \
+        case GGML_Q8_0: TILE_SWITCH(tile_q8_0##S(TILE_ARGS)) break;                     \
+        case GGML_Q4_1: TILE_SWITCH(tile_q4##S(1, 0, TILE_ARGS)) break;                 \
+        case GGML_Q4_0: TILE_SWITCH(tile_q4##S(0, 0, TILE_ARGS)) break;                 \
+        case GGML_IQ4_NL: TILE_SWITCH(tile_iq4_nl##S(TILE_ARGS)) break;                 \
+        case GGML_Q5_1: TILE_SWITCH(tile_q4##S(1, 1, TILE_ARGS)) break;                 \
+        case GGML_Q5_0: TILE_SWITCH(tile_q4##S(0, 1, TILE_ARGS)) break;                 \
+        case GGML_Q4_K: TILE_SWITCH(tile_k4##S(0, TILE_ARGS)) break;                    \
+        case GGML_Q5_K: TILE_SWITCH(tile_k4##S(1, TILE_ARGS)) break;                    \
+        case GGML_Q6_K: TILE_SWITCH(tile_q6_k##S(TILE_ARGS)) break;                     \
+        default: TILE_SWITCH(tile_iq4_xs##S(TILE_ARGS)) break;        /* IQ4_XS */      \
     }
-}
 
-static VTARGET void tiles_vnni(int type, TILE_PARAMS) {
-    if (type == GGML_Q8_0) {
-        TILE_SWITCH(tile_q8_0_vnni(mr_, w, nb, xq, K, dx, sx, out))
-    } else if (type == GGML_Q4_1) {
-        TILE_SWITCH(tile_q4_vnni(1, 0, mr_, w, nb, xq, K, dx, sx, out))
-    } else if (type == GGML_Q4_0) {
-        TILE_SWITCH(tile_q4_vnni(0, 0, mr_, w, nb, xq, K, dx, sx, out))
-    } else if (type == GGML_IQ4_NL) {
-        TILE_SWITCH(tile_iq4_nl_vnni(mr_, w, nb, xq, K, dx, sx, out))
-    } else if (type == GGML_Q5_1) {
-        TILE_SWITCH(tile_q4_vnni(1, 1, mr_, w, nb, xq, K, dx, sx, out))
-    } else if (type == GGML_Q5_0) {
-        TILE_SWITCH(tile_q4_vnni(0, 1, mr_, w, nb, xq, K, dx, sx, out))
-    } else if (type == GGML_Q4_K) {
-        TILE_SWITCH(tile_k4_vnni(0, mr_, w, nb, xq, K, dx, sx, out))
-    } else if (type == GGML_Q5_K) {
-        TILE_SWITCH(tile_k4_vnni(1, mr_, w, nb, xq, K, dx, sx, out))
-    } else if (type == GGML_Q6_K) {
-        TILE_SWITCH(tile_q6_k_vnni(mr_, w, nb, xq, K, dx, sx, out))
-    } else {
-        TILE_SWITCH(tile_iq4_xs_vnni(mr_, w, nb, xq, K, dx, sx, out))
-    }
-}
+static QTARGET void tiles_avx2(int type, TILE_PARAMS) { TILES_BY_TYPE() }
+
+static VTARGET void tiles_vnni(int type, TILE_PARAMS) { TILES_BY_TYPE(_vnni) }
 
 /* ---- driver --------------------------------------------------------------------------- */
 
