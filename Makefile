@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: install serve test test-fast test-slow test-avx2 test-cuda clean
+.PHONY: install serve test test-fast test-slow test-avx2 test-avx512-emulated test-cuda clean
 
 install: $(STAMP)
 
@@ -40,9 +40,10 @@ PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n auto --ma
 AVX512_IN_USE := import sys, torch; from models import kernels; \
 	sys.exit(not kernels.available("cpu", torch.float32))
 # The kernel unit test files on the AVX2 kernels (ZSERVE_CPU_ISA=avx2, wire/cpu.py); not
-# their end-to-end or minutes-long real-model (smollm2) tests, nor test_quant.py: quant.c
-# has one version (AVX2), which the first run tests already. test_blocks.py calls both of
-# blocks.c's builds by name; its QuantLinear tests take the chosen one, so it runs again.
+# their end-to-end or minutes-long real-model (smollm2) tests, nor test_quant.py: its kernel
+# tests call both of quant.c's versions (AVX2, AVX-512 VNNI) by flag in the first run.
+# test_blocks.py calls both of blocks.c's builds by name; its QuantLinear tests take the
+# chosen one, so it runs again.
 KERNEL_TESTS := tests/test_kernels_build.py tests/test_ops.py tests/test_decode_attention.py \
 	tests/test_fast_decode.py tests/test_gguf.py tests/test_blocks.py
 AVX2_RUN := echo "kernel tests again, on the AVX2 kernels (ZSERVE_CPU_ISA=avx2):"; \
@@ -65,6 +66,11 @@ test: install
 
 test-avx2: install
 	$(AVX2_RUN)
+
+# The kernel unit tests on the AVX-512 kernels emulated in C (SIMDe), for machines without
+# AVX-512: docs/testing.md, tests/emulated_avx512/run.sh.
+test-avx512-emulated: install
+	tests/emulated_avx512/run.sh
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
