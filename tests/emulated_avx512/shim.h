@@ -13,35 +13,36 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline void emu_mask_storeu_ps(void *p, simde__mmask16 k, simde__m512 a) {
-    float f[16];
-    memcpy(f, &a, 64);
+/* Lane i (of 16, `size` bytes each) of v to p + i * size where bit i of k is set. */
+static inline void emu_mask_store(void *p, unsigned k, const void *v, int size) {
     for (int i = 0; i < 16; i++)
-        if (k >> i & 1) memcpy((char *)p + 4 * i, &f[i], 4);
+        if (k >> i & 1) memcpy((char *)p + size * i, (const char *)v + size * i, size);
+}
+
+/* The same lanes from p into v (the others 0). */
+static inline void emu_maskz_load(void *v, unsigned k, const void *p, int size) {
+    memset(v, 0, 16 * size);
+    for (int i = 0; i < 16; i++)
+        if (k >> i & 1) memcpy((char *)v + size * i, (const char *)p + size * i, size);
+}
+
+static inline void emu_mask_storeu_ps(void *p, simde__mmask16 k, simde__m512 a) {
+    emu_mask_store(p, k, &a, 4);
 }
 
 static inline void emu_mask_storeu_epi16(void *p, simde__mmask16 k, simde__m256i a) {
-    uint16_t f[16];
-    memcpy(f, &a, 32);
-    for (int i = 0; i < 16; i++)
-        if (k >> i & 1) memcpy((char *)p + 2 * i, &f[i], 2);
+    emu_mask_store(p, k, &a, 2);
 }
 
 static inline simde__m512 emu_maskz_loadu_ps(simde__mmask16 k, const void *p) {
-    float f[16] = {0};
-    for (int i = 0; i < 16; i++)
-        if (k >> i & 1) memcpy(&f[i], (const char *)p + 4 * i, 4);
     simde__m512 o;
-    memcpy(&o, f, 64);
+    emu_maskz_load(&o, k, p, 4);
     return o;
 }
 
 static inline simde__m256i emu_maskz_loadu_epi16(simde__mmask16 k, const void *p) {
-    uint16_t f[16] = {0};
-    for (int i = 0; i < 16; i++)
-        if (k >> i & 1) memcpy(&f[i], (const char *)p + 2 * i, 2);
     simde__m256i o;
-    memcpy(&o, f, 32);
+    emu_maskz_load(&o, k, p, 2);
     return o;
 }
 
