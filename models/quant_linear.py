@@ -57,7 +57,7 @@ BLOCK_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
 INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL",      # quant.c's too
               "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 # What the loader keeps in blocks: every type blocks.c serves (each has a vectorized path).
-KEPT_TYPES = (*INT8_TYPES, "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+KEPT_TYPES = tuple(BLOCK_TYPES)
 MAX_PARTS = 3                            # blocks.c: ZS_MAX_PARTS
 BLOCK = 32                               # quant.c's block
 

@@ -238,10 +238,6 @@ INLINE BT __m256i SFX(nib)(__m256i v, int shift) {        /* 4 bits at `shift`, 
     return _mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(15));
 }
 
-INLINE BT __m256 SFX(f16x8)(const uint8_t *p) {            /* 8 rows' fp16 field */
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-}
-
 /* acc[chain] += w * x[m][p] for the tile's mr rows of x, xt[p * mr + m] (the tile's x
  * transposed, from the block's start: one pointer, constant offsets). A row of x has 8 / mr chains of sums (by position), so that even at mr = 1
  * eight fused multiply-adds are in flight, not one chain waiting on each; group_tile adds
@@ -264,8 +260,8 @@ INLINE BT void SFX(block_q4)(const int type, const uint8_t *gb, const int mr,
                              const float *xt, __m256 *acc) {
     const int with_m = type == GGML_Q4_1 || type == GGML_Q5_1;
     const int q5 = type == GGML_Q5_0 || type == GGML_Q5_1;
-    const __m256 d = SFX(f16x8)(gb);
-    const __m256 m = with_m ? SFX(f16x8)(gb + 16) : _mm256_setzero_ps();
+    const __m256 d = f16x8(gb);
+    const __m256 m = with_m ? f16x8(gb + 16) : _mm256_setzero_ps();
     const uint8_t *qh = gb + (with_m ? 32 : 16), *qs = qh + (q5 ? 32 : 0);
     const __m256i h = q5 ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
     const __m256i one = _mm256_set1_epi32(1);
@@ -291,7 +287,7 @@ INLINE BT void SFX(block_q4)(const int type, const uint8_t *gb, const int mr,
 
 INLINE BT void SFX(block_q8_0)(const uint8_t *gb, const int mr, const float *xt,
                                __m256 *acc) {
-    const __m256 d = SFX(f16x8)(gb);
+    const __m256 d = f16x8(gb);
     for (int c = 0; c < 8; c++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(gb + 16 + 32 * c));
         _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {
@@ -308,8 +304,8 @@ INLINE BT void SFX(block_q8_0)(const uint8_t *gb, const int mr, const float *xt,
 INLINE BT void SFX(block_k4)(const int q5, const uint8_t *gb, const int mr,
                              const float *xt, __m256 *acc) {
     float d[8], dmin[8], ds[8][8], dm[8][8];
-    _mm256_storeu_ps(d, SFX(f16x8)(gb));
-    _mm256_storeu_ps(dmin, SFX(f16x8)(gb + 16));
+    _mm256_storeu_ps(d, f16x8(gb));
+    _mm256_storeu_ps(dmin, f16x8(gb + 16));
     for (int r = 0; r < 8; r++) {
         uint8_t s[12];
         for (int c = 0; c < 3; c++) memcpy(s + 4 * c, gb + 32 + 32 * c + 4 * r, 4);
@@ -346,7 +342,7 @@ INLINE BT void SFX(block_k4)(const int q5, const uint8_t *gb, const int mr,
 INLINE BT void SFX(block_q6_k)(const uint8_t *gb, const int mr, const float *xt,
                                __m256 *acc) {
     float d[8], ds[16][8];
-    _mm256_storeu_ps(d, SFX(f16x8)(gb + 1664));
+    _mm256_storeu_ps(d, f16x8(gb + 1664));
     for (int r = 0; r < 8; r++)
         for (int c = 0; c < 4; c++)
             for (int t = 0; t < 4; t++)
@@ -382,7 +378,7 @@ INLINE BT __m256i SFX(kvalue)(__m256i q) {
 
 INLINE BT void SFX(block_iq4_nl)(const uint8_t *gb, const int mr, const float *xt,
                                  __m256 *acc) {
-    const __m256 d = SFX(f16x8)(gb);
+    const __m256 d = f16x8(gb);
     for (int c = 0; c < 4; c++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(gb + 16 + 32 * c));
         _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++)
@@ -396,7 +392,7 @@ INLINE BT void SFX(block_iq4_nl)(const uint8_t *gb, const int mr, const float *x
 INLINE BT void SFX(block_iq4_xs)(const uint8_t *gb, const int mr, const float *xt,
                                  __m256 *acc) {
     float d[8], dl[8][8];
-    _mm256_storeu_ps(d, SFX(f16x8)(gb));
+    _mm256_storeu_ps(d, f16x8(gb));
     for (int r = 0; r < 8; r++) {
         uint16_t sh;
         memcpy(&sh, gb + 16 + 2 * r, 2);
@@ -425,7 +421,7 @@ INLINE BT void SFX(block_iq4_xs)(const uint8_t *gb, const int mr, const float *x
  * 128h + 32s + l: bits 2s of qs byte 32h + l (unit 8h + l / 4, lane byte l % 4);
  * sub-block 8h + 2s + l / 16: scales byte of that index (unit / 4, lane byte % 4). */
 INLINE BT void SFX(deq8_q2_k)(const uint8_t *gb, float tmp[256][8]) {
-    const __m256 d = SFX(f16x8)(gb + 640), dmin = SFX(f16x8)(gb + 656);
+    const __m256 d = f16x8(gb + 640), dmin = f16x8(gb + 656);
     const __m256i fifteen = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3);
     for (int sb = 0; sb < 16; sb++) {
         const __m256i u = _mm256_loadu_si256((const __m256i *)(gb + 32 * (sb / 4)));
@@ -451,7 +447,7 @@ INLINE BT void SFX(deq8_q2_k)(const uint8_t *gb, float tmp[256][8]) {
  * (i >> 3) * 4 of scales byte i & 7, with bits 2(i >> 2) of scales byte 8 + (i & 3) on top,
  * minus 32. */
 INLINE BT void SFX(deq8_q3_k)(const uint8_t *gb, float tmp[256][8]) {
-    const __m256 d = SFX(f16x8)(gb + 864);
+    const __m256 d = f16x8(gb + 864);
     const __m256i fifteen = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3);
     const __m256i one = _mm256_set1_epi32(1), four = _mm256_set1_epi32(4);
     const __m256i hi_u = _mm256_loadu_si256((const __m256i *)(gb + 768 + 64));
@@ -575,8 +571,8 @@ INLINE BT __m256 SFX(row_q4)(const int type, const uint8_t *gb, const float *x,
                              const float *xs, __m256 acc) {
     const int with_m = type == GGML_Q4_1 || type == GGML_Q5_1;
     const int q5 = type == GGML_Q5_0 || type == GGML_Q5_1;
-    const __m256 d = SFX(f16x8)(gb);
-    const __m256 m = with_m ? SFX(f16x8)(gb + 16)
+    const __m256 d = f16x8(gb);
+    const __m256 m = with_m ? f16x8(gb + 16)
                             : _mm256_mul_ps(d, _mm256_set1_ps(type == GGML_Q4_0 ? -8.0f : -16.0f));
     const uint8_t *qh = gb + (with_m ? 32 : 16), *qs = qh + (q5 ? 32 : 0);
     __m256 s[8];
@@ -628,14 +624,13 @@ INLINE BT __m256 SFX(row_q8_0)(const uint8_t *gb, const float *x, __m256 acc) {
                                    SFX(xv)(x, 4 * c + t), s[k]);
         }
     }
-    return _mm256_fmadd_ps(_mm256_mul_ps(SFX(f16x8)(gb), _mm256_set1_ps(0x1p-24f)),
+    return _mm256_fmadd_ps(_mm256_mul_ps(f16x8(gb), _mm256_set1_ps(0x1p-24f)),
                            SFX(sum8)(s), acc);
 }
 
-/* Byte j (< 4) of each lane, as int32. */
 /* Q4_K and Q5_K (block_k4's fields): the 8 six-bit scales and mins of 8 rows (simd.h). */
 INLINE BT void SFX(scales_k4_x8)(const uint8_t *gb, __m256 ds[8], __m256 dm[8]) {
-    k4_scales8(gb + 32, SFX(f16x8)(gb), SFX(f16x8)(gb + 16), ds, dm);
+    k4_scales8(gb + 32, f16x8(gb), f16x8(gb + 16), ds, dm);
 }
 
 /* Q4_K, Q5_K: qs byte 4c + t of part j (c < 8) is value 4c + t of sub-block 2j (nibble 2t
@@ -686,7 +681,7 @@ INLINE BT __m256 SFX(row_k4)(const int q5, const uint8_t *gb, const float *x,
  * two chains each. */
 INLINE BT __m256 SFX(row_q6_k)(const uint8_t *gb, const float *x, const float *xs,
                                __m256 acc) {
-    const __m256 d = SFX(f16x8)(gb + 1664);
+    const __m256 d = f16x8(gb + 1664);
     const __m256i fifteen = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3);
     _Pragma("GCC unroll 1") for (int h = 0; h < 2; h++)
         _Pragma("GCC unroll 1") for (int half = 0; half < 2; half++) {
@@ -750,7 +745,7 @@ INLINE BT __m256 SFX(iq4_sum32)(const uint8_t *qs, const float *x) {
 
 /* IQ4_NL (block_iq4_nl's fields): d, then qs's four units. */
 INLINE BT __m256 SFX(row_iq4_nl)(const uint8_t *gb, const float *x, __m256 acc) {
-    const __m256 d = _mm256_mul_ps(SFX(f16x8)(gb), _mm256_set1_ps(0x1p-24f));
+    const __m256 d = _mm256_mul_ps(f16x8(gb), _mm256_set1_ps(0x1p-24f));
     return _mm256_fmadd_ps(d, SFX(iq4_sum32)(gb + 16, x), acc);
 }
 
@@ -758,7 +753,7 @@ INLINE BT __m256 SFX(row_iq4_nl)(const uint8_t *gb, const float *x, __m256 acc) 
  * i % 2 of scales_l byte i / 2 (lane byte of the unit at 32), bits 2i of the row's
  * scales_h (a uint16 per row at 16); its 32 values in qs units 4i..4i+3. */
 INLINE BT __m256 SFX(row_iq4_xs)(const uint8_t *gb, const float *x, __m256 acc) {
-    const __m256 d = _mm256_mul_ps(SFX(f16x8)(gb), _mm256_set1_ps(0x1p-24f));
+    const __m256 d = _mm256_mul_ps(f16x8(gb), _mm256_set1_ps(0x1p-24f));
     const __m256i sh = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(gb + 16)));
     const __m256i sl = _mm256_loadu_si256((const __m256i *)(gb + 32));
     _Pragma("GCC unroll 1") for (int i = 0; i < 8; i++) {

@@ -73,12 +73,6 @@ enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7,   /* gguf.GGM
        GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_IQ4_NL = 20,
        GGML_IQ4_XS = 23 };
 
-INLINE QTARGET float fp16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
 /* ---- x -> int8 blocks ----------------------------------------------------------------- */
 
 /* One row: xq[K], dx[K/32] (the scales), sx[K/32] = dx * sum(xq) (for the offset terms). */
@@ -124,6 +118,12 @@ INLINE QTARGET void quantize_row(const float *x, int64_t nb, int8_t *xq, float *
 /* w: the group's blocks; xq, dx, sx: the tile's first row of x (rows K, nb and nb apart);
  * out: the 8 outputs of each of the mr rows. */
 
+/* acc += (a block's or sub-block's integer sums s) * d * dx: every tile's float step, on
+ * both ISAs (so their outputs are equal bit for bit). */
+INLINE QTARGET __m256 scale_add(__m256 acc, __m256i s, __m256 d, float dx) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc);
+}
+
 INLINE QTARGET __m256i bcast4(const int8_t *p) {     /* 4 bytes of x into every int32 lane */
     int32_t v;
     memcpy(&v, p, 4);
@@ -142,8 +142,8 @@ INLINE QTARGET void tile_q4(const int with_m, const int q5, TILE_PARAMS) {
         const uint8_t *blk = w + b * bsize;
         const uint8_t *qh = blk + (with_m ? 32 : 16), *qs = qh + (q5 ? 32 : 0);
         _mm_prefetch((const char *)(blk + 8 * bsize), _MM_HINT_T0);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256 o = with_m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
+        const __m256 d = f16x8(blk);
+        const __m256 o = with_m ? f16x8(blk + 16)
                                 : _mm256_mul_ps(d, _mm256_set1_ps(q5 ? -16.0f : -8.0f));
         const __m256i h = q5 ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
         __m256i lo[4], hi[4];
@@ -170,9 +170,7 @@ INLINE QTARGET void tile_q4(const int with_m, const int q5, TILE_PARAMS) {
                 s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[c], bcast4(x + 16 + 4 * c)));
             }
             s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(s, ones));
-            const __m256 dot = _mm256_cvtepi32_ps(s32);
-            acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(dx[i * nb + b])),
-                                     acc[i]);
+            acc[i] = scale_add(acc[i], s32, d, dx[i * nb + b]);
             acc[i] = _mm256_fmadd_ps(o, _mm256_set1_ps(sx[i * nb + b]), acc[i]);
         }
     }
@@ -192,7 +190,7 @@ INLINE QTARGET void tile_q8_0(TILE_PARAMS) {
         _mm_prefetch((const char *)(blk + 4 * 272 + 128), _MM_HINT_T0);
         _mm_prefetch((const char *)(blk + 4 * 272 + 192), _MM_HINT_T0);
         _mm_prefetch((const char *)(blk + 4 * 272 + 256), _MM_HINT_T0);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 d = f16x8(blk);
         for (int i = 0; i < mr; i++) {
             const int8_t *x = xq + i * K + b * QK;
             __m256i s = _mm256_setzero_si256();
@@ -202,52 +200,70 @@ INLINE QTARGET void tile_q8_0(TILE_PARAMS) {
                                                        _mm256_sign_epi8(bcast4(x + 4 * c), q));
                 s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
             }
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
-                                     _mm256_mul_ps(d, _mm256_set1_ps(dx[i * nb + b])), acc[i]);
+            acc[i] = scale_add(acc[i], s, d, dx[i * nb + b]);
         }
     }
     for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
 }
 
-/* IQ4_NL: Q4_0's layout, each nibble standing for KVALUES[nibble] (gguf-py: IQ4_NL.kvalues),
- * a signed byte: one vpshufb looks up a vector's 32 low (or high) nibbles at once, then
- * Q8_0's products (|value| <= 127, so each pair's sum fits s16; widened per quad). */
-INLINE QTARGET void tile_iq4_nl(TILE_PARAMS) {
+/* The scales of an IQ4 block's sub-blocks, 8 rows each: IQ4_NL's one d; IQ4_XS's 8,
+ * d * (ls - 32) with ls the nibble i of scales_l (a unit at 32) under bits 2i of the row's
+ * uint16 scales_h (at 16). */
+INLINE QTARGET void iq4_scales(const int xs, const uint8_t *blk, __m256 dl[8]) {
+    const __m256 d = f16x8(blk);
+    if (!xs) {
+        dl[0] = d;
+        return;
+    }
+    const __m256i sh = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 16)));
+    const __m256i sl = _mm256_loadu_si256((const __m256i *)(blk + 32));
+    for (int i = 0; i < 8; i++) {
+        const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(sl, 4 * i), _mm256_set1_epi32(15));
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(sh, 2 * i), _mm256_set1_epi32(3));
+        dl[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(
+            _mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32))));
+    }
+}
+
+/* IQ4_NL (xs = 0) and IQ4_XS (xs = 1): each nibble stands for KVALUES[nibble] (gguf-py:
+ * IQ4_NL.kvalues), a signed byte: one vpshufb looks up a vector's 32 low (or high) nibbles
+ * at once, then Q8_0's products (|value| <= 127, so each pair's sum fits s16; widened per
+ * quad). IQ4_NL: Q4_0's layout, d at 0, qs (4 units) at 16; IQ4_XS: 8 such sub-blocks (qs
+ * units 4i..4i+3 at 64) of scale d (ls - 32) (iq4_scales, above). */
+INLINE QTARGET void tile_iq4(const int xs, TILE_PARAMS) {
     (void)sx;
+    const int64_t bsize = xs ? 1088 : 144, subs = xs ? 8 : 1, per = xs ? 8 : 1;
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * 144;
-        _mm_prefetch((const char *)(blk + 8 * 144), _MM_HINT_T0);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        __m256i lo[4], hi[4];
-        for (int c = 0; c < 4; c++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
-            lo[c] = iq4_values(_mm256_and_si256(v, low));
-            hi[c] = iq4_values(_mm256_and_si256(_mm256_srli_epi16(v, 4), low));
-        }
-        for (int i = 0; i < mr; i++) {
-            const int8_t *x = xq + i * K + b * QK;
-            __m256i s = _mm256_setzero_si256();
+    for (int64_t B = 0; B < nb / per; B++) {
+        const uint8_t *blk = w + B * bsize, *qs = blk + (xs ? 64 : 16);
+        _mm_prefetch((const char *)(blk + (xs ? 2 : 8) * bsize), _MM_HINT_T0);
+        __m256 dl[8];
+        iq4_scales(xs, blk, dl);
+        for (int ib = 0; ib < subs; ib++) {
+            __m256i lo[4], hi[4];
             for (int c = 0; c < 4; c++) {
-                const __m256i xl = bcast4(x + 4 * c), xh = bcast4(x + 16 + 4 * c);
-                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(
-                    _mm256_sign_epi8(lo[c], lo[c]), _mm256_sign_epi8(xl, lo[c])), ones));
-                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(
-                    _mm256_sign_epi8(hi[c], hi[c]), _mm256_sign_epi8(xh, hi[c])), ones));
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * (4 * ib + c)));
+                lo[c] = iq4_values(_mm256_and_si256(v, low));
+                hi[c] = iq4_values(_mm256_and_si256(_mm256_srli_epi16(v, 4), low));
             }
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
-                                     _mm256_mul_ps(d, _mm256_set1_ps(dx[i * nb + b])), acc[i]);
+            const int64_t b = per * B + ib;
+            for (int i = 0; i < mr; i++) {
+                const int8_t *x = xq + i * K + b * QK;
+                __m256i s = _mm256_setzero_si256();
+                for (int c = 0; c < 4; c++) {
+                    const __m256i xl = bcast4(x + 4 * c), xh = bcast4(x + 16 + 4 * c);
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                        _mm256_sign_epi8(lo[c], lo[c]), _mm256_sign_epi8(xl, lo[c])), ones));
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                        _mm256_sign_epi8(hi[c], hi[c]), _mm256_sign_epi8(xh, hi[c])), ones));
+                }
+                acc[i] = scale_add(acc[i], s, dl[ib], dx[i * nb + b]);
+            }
         }
     }
     for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
-}
-
-/* acc += (a sub-block's integer sums) * ds * dx: the 256-blocks' float step, the same on
- * both ISAs. */
-INLINE QTARGET __m256 k_scale_add(__m256 acc, __m256i s, __m256 ds, float dx) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(ds, _mm256_set1_ps(dx)), acc);
 }
 
 /* ---- blocks of 256 (Q4_K, Q5_K, Q6_K, IQ4_XS): blocks.c's group layout ---------------- *
@@ -263,7 +279,7 @@ INLINE QTARGET __m256 k_scale_add(__m256 acc, __m256i s, __m256 ds, float dx) {
  *                qh unit 8h + cq (bits 2t), w = d sc (q - 32), a scale per 16 values;
  *   IQ4_XS       d, scales_h (a uint16 a row) at 16, scales_l (1 unit) at 32, qs (32
  *                units) at 64: sub-block i is IQ4_NL's block in units 4i..4i+3, scale
- *                d (ls - 32).
+ *                d (ls - 32) (tile_iq4, with IQ4_NL's, above).
  * Q6_K's codes q - 32 (|.| <= 32) multiply as signed bytes (Q8_0's way: 4 pair sums of at
  * most 2 * 32 * 127 in s16); Q5_K's five-bit codes widen after 4 (as Q5_0). */
 
@@ -278,8 +294,7 @@ INLINE QTARGET void tile_k4(const int q5, TILE_PARAMS) {
         const uint8_t *qh = blk + 128, *qs = blk + (q5 ? 384 : 128);
         _mm_prefetch((const char *)(blk + 2 * bsize), _MM_HINT_T0);
         __m256 ds[8], dm[8];
-        k4_scales8(blk + 32, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)),
-                   _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))), ds, dm);
+        k4_scales8(blk + 32, f16x8(blk), f16x8(blk + 16), ds, dm);
         for (int sb = 0; sb < 8; sb++) {               /* sub-block sb: nibble sb % 2 of */
             const int j = sb / 2, half = sb % 2;       /* units 8j.., x block 8B + sb */
             __m256i q[8];
@@ -305,7 +320,7 @@ INLINE QTARGET void tile_k4(const int q5, TILE_PARAMS) {
                     p = _mm256_add_epi16(p, _mm256_maddubs_epi16(q[u], bcast4(x + 4 * u)));
                 }
                 s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
-                acc[i] = k_scale_add(acc[i], s, ds[sb], dx[i * nb + b]);
+                acc[i] = scale_add(acc[i], s, ds[sb], dx[i * nb + b]);
                 acc[i] = _mm256_fnmadd_ps(dm[sb], _mm256_set1_ps(sx[i * nb + b]), acc[i]);
             }
         }
@@ -343,7 +358,7 @@ INLINE QTARGET void tile_q6_k(TILE_PARAMS) {
     for (int64_t B = 0; B < nb / 8; B++) {
         const uint8_t *blk = w + B * 1680;
         _mm_prefetch((const char *)(blk + 2 * 1680), _MM_HINT_T0);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 1664)));
+        const __m256 d = f16x8(blk + 1664);
         for (int h = 0; h < 2; h++)
             for (int t = 0; t < 4; t++) {
                 const int64_t b = 8 * B + 4 * h + t;
@@ -358,56 +373,11 @@ INLINE QTARGET void tile_q6_k(TILE_PARAMS) {
                         for (int c = 0; c < 4; c++)
                             p = _mm256_add_epi16(p, _mm256_maddubs_epi16(
                                 a[c], _mm256_sign_epi8(bcast4(x + 4 * c), q[c])));
-                        acc[i] = k_scale_add(acc[i], _mm256_madd_epi16(p, ones), dsub,
+                        acc[i] = scale_add(acc[i], _mm256_madd_epi16(p, ones), dsub,
                                              dx[i * nb + b]);
                     }
                 }
             }
-    }
-    for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
-}
-
-/* d * (ls - 32) of IQ4_XS sub-block i, 8 rows (sh: the rows' scales_h, sl: scales_l). */
-INLINE QTARGET __m256 xs_scale(__m256 d, __m256i sh, __m256i sl, int i) {
-    const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(sl, 4 * i), _mm256_set1_epi32(15));
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(sh, 2 * i), _mm256_set1_epi32(3));
-    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(
-        _mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32))));
-}
-
-INLINE QTARGET void tile_iq4_xs(TILE_PARAMS) {
-    (void)sx;
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    __m256 acc[MR];
-    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t B = 0; B < nb / 8; B++) {
-        const uint8_t *blk = w + B * 1088;
-        _mm_prefetch((const char *)(blk + 2 * 1088), _MM_HINT_T0);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256i sh = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 16)));
-        const __m256i sl = _mm256_loadu_si256((const __m256i *)(blk + 32));
-        for (int ib = 0; ib < 8; ib++) {
-            const __m256 dl = xs_scale(d, sh, sl, ib);
-            __m256i lo[4], hi[4];
-            for (int c = 0; c < 4; c++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * (4 * ib + c)));
-                lo[c] = iq4_values(_mm256_and_si256(v, low));
-                hi[c] = iq4_values(_mm256_and_si256(_mm256_srli_epi16(v, 4), low));
-            }
-            const int64_t b = 8 * B + ib;
-            for (int i = 0; i < mr; i++) {
-                const int8_t *x = xq + i * K + b * QK;
-                __m256i s = _mm256_setzero_si256();
-                for (int c = 0; c < 4; c++) {
-                    const __m256i xl = bcast4(x + 4 * c), xh = bcast4(x + 16 + 4 * c);
-                    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(
-                        _mm256_sign_epi8(lo[c], lo[c]), _mm256_sign_epi8(xl, lo[c])), ones));
-                    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(
-                        _mm256_sign_epi8(hi[c], hi[c]), _mm256_sign_epi8(xh, hi[c])), ones));
-                }
-                acc[i] = k_scale_add(acc[i], s, dl, dx[i * nb + b]);
-            }
-        }
     }
     for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
 }
@@ -426,11 +396,6 @@ INLINE VTARGET __m256i halves(__m512i s) {
     return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
 }
 
-/* acc += (the block's integer sums) * d * dx, (+ o * sx): tile_q4's float operations. */
-INLINE VTARGET __m256 scale_add(__m256 acc, __m256i s, __m256 d, float dx) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc);
-}
-
 INLINE VTARGET void tile_q4_vnni(const int with_m, const int q5, TILE_PARAMS) {
     const int64_t bsize = 16 + (with_m ? 16 : 0) + (q5 ? 32 : 0) + 128;
     const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
@@ -447,8 +412,8 @@ INLINE VTARGET void tile_q4_vnni(const int with_m, const int q5, TILE_PARAMS) {
         const uint8_t *blk = w + b * bsize;
         const uint8_t *qh = blk + (with_m ? 32 : 16), *qs = qh + (q5 ? 32 : 0);
         _mm_prefetch((const char *)(blk + 8 * bsize), _MM_HINT_T0);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256 o = with_m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
+        const __m256 d = f16x8(blk);
+        const __m256 o = with_m ? f16x8(blk + 16)
                                 : _mm256_mul_ps(d, _mm256_set1_ps(q5 ? -16.0f : -8.0f));
         const __m512i v01 = _mm512_loadu_si512(qs), v23 = _mm512_loadu_si512(qs + 64);
         __m512i lo01 = _mm512_and_si512(v01, low), lo23 = _mm512_and_si512(v23, low);
@@ -488,7 +453,7 @@ INLINE VTARGET void tile_q8_0_vnni(TILE_PARAMS) {
         const uint8_t *qs = blk + 16;
         for (int l = 0; l < 5; l++)
             _mm_prefetch((const char *)(blk + 4 * 272 + 64 * l), _MM_HINT_T0);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 d = f16x8(blk);
         __m512i a[4];
         __mmask64 neg[4];
         for (int p = 0; p < 4; p++) {          /* quads 2p and 2p + 1 */
@@ -507,34 +472,39 @@ INLINE VTARGET void tile_q8_0_vnni(TILE_PARAMS) {
     for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
 }
 
-INLINE VTARGET void tile_iq4_nl_vnni(TILE_PARAMS) {
+INLINE VTARGET void tile_iq4_vnni(const int xs, TILE_PARAMS) {
     (void)sx;
+    const int64_t bsize = xs ? 1088 : 144, subs = xs ? 8 : 1, per = xs ? 8 : 1;
     const __m512i low = _mm512_set1_epi8(0x0F);
     const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(
         -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
     __m256 acc[MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * 144;
-        _mm_prefetch((const char *)(blk + 8 * 144), _MM_HINT_T0);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        __m512i a[4];                          /* lo01, lo23, hi01, hi23 as in tile_q4_vnni */
-        __mmask64 neg[4];
-        for (int h = 0; h < 2; h++) {
-            const __m512i v = _mm512_loadu_si512(blk + 16 + 64 * h);
-            const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low));
-            const __m512i hi = _mm512_shuffle_epi8(
-                table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
-            a[h] = _mm512_abs_epi8(lo), neg[h] = _mm512_movepi8_mask(lo);
-            a[2 + h] = _mm512_abs_epi8(hi), neg[2 + h] = _mm512_movepi8_mask(hi);
-        }
-        for (int i = 0; i < mr; i++) {
-            const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + i * K + b * QK));
-            __m512i s = dot_signed(_mm512_setzero_si512(), a[0], neg[0], pair4(xb, 0, 1));
-            s = dot_signed(s, a[1], neg[1], pair4(xb, 2, 3));
-            s = dot_signed(s, a[2], neg[2], pair4(xb, 4, 5));
-            s = dot_signed(s, a[3], neg[3], pair4(xb, 6, 7));
-            acc[i] = scale_add(acc[i], halves(s), d, dx[i * nb + b]);
+    for (int64_t B = 0; B < nb / per; B++) {
+        const uint8_t *blk = w + B * bsize, *qs = blk + (xs ? 64 : 16);
+        _mm_prefetch((const char *)(blk + (xs ? 2 : 8) * bsize), _MM_HINT_T0);
+        __m256 dl[8];
+        iq4_scales(xs, blk, dl);
+        for (int ib = 0; ib < subs; ib++) {
+            __m512i a[4];                      /* lo01, lo23, hi01, hi23 as in tile_q4_vnni */
+            __mmask64 neg[4];
+            for (int h = 0; h < 2; h++) {
+                const __m512i v = _mm512_loadu_si512(qs + 32 * (4 * ib + 2 * h));
+                const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low));
+                const __m512i hi = _mm512_shuffle_epi8(
+                    table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+                a[h] = _mm512_abs_epi8(lo), neg[h] = _mm512_movepi8_mask(lo);
+                a[2 + h] = _mm512_abs_epi8(hi), neg[2 + h] = _mm512_movepi8_mask(hi);
+            }
+            const int64_t b = per * B + ib;
+            for (int i = 0; i < mr; i++) {
+                const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + i * K + b * QK));
+                __m512i s = dot_signed(_mm512_setzero_si512(), a[0], neg[0], pair4(xb, 0, 1));
+                s = dot_signed(s, a[1], neg[1], pair4(xb, 2, 3));
+                s = dot_signed(s, a[2], neg[2], pair4(xb, 4, 5));
+                s = dot_signed(s, a[3], neg[3], pair4(xb, 6, 7));
+                acc[i] = scale_add(acc[i], halves(s), dl[ib], dx[i * nb + b]);
+            }
         }
     }
     for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
@@ -550,8 +520,7 @@ INLINE VTARGET void tile_k4_vnni(const int q5, TILE_PARAMS) {
         const uint8_t *qh = blk + 128, *qs = blk + (q5 ? 384 : 128);
         _mm_prefetch((const char *)(blk + 2 * bsize), _MM_HINT_T0);
         __m256 ds[8], dm[8];
-        k4_scales8(blk + 32, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)),
-                   _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))), ds, dm);
+        k4_scales8(blk + 32, f16x8(blk), f16x8(blk + 16), ds, dm);
         for (int j = 0; j < 4; j++) {
             __m512i lo[4], hi[4];                      /* units (2p, 2p + 1) of 8j.. */
             for (int p = 0; p < 4; p++) {
@@ -579,9 +548,9 @@ INLINE VTARGET void tile_k4_vnni(const int q5, TILE_PARAMS) {
                     s1 = _mm512_dpbusd_epi32(s1, hi[p], pair4(xb, 2 * p, 2 * p + 1));
                 }
                 const float *dxi = dx + i * nb, *sxi = sx + i * nb;
-                acc[i] = k_scale_add(acc[i], halves(s0), ds[2 * j], dxi[b0]);
+                acc[i] = scale_add(acc[i], halves(s0), ds[2 * j], dxi[b0]);
                 acc[i] = _mm256_fnmadd_ps(dm[2 * j], _mm256_set1_ps(sxi[b0]), acc[i]);
-                acc[i] = k_scale_add(acc[i], halves(s1), ds[2 * j + 1], dxi[b0 + 1]);
+                acc[i] = scale_add(acc[i], halves(s1), ds[2 * j + 1], dxi[b0 + 1]);
                 acc[i] = _mm256_fnmadd_ps(dm[2 * j + 1], _mm256_set1_ps(sxi[b0 + 1]), acc[i]);
             }
         }
@@ -598,7 +567,7 @@ INLINE VTARGET void tile_q6_k_vnni(TILE_PARAMS) {
     for (int64_t B = 0; B < nb / 8; B++) {
         const uint8_t *blk = w + B * 1680;
         _mm_prefetch((const char *)(blk + 2 * 1680), _MM_HINT_T0);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 1664)));
+        const __m256 d = f16x8(blk + 1664);
         for (int h = 0; h < 2; h++)
             for (int t = 0; t < 4; t++) {
                 __m512i a[4];                          /* quads (2p, 2p + 1): q6_codes' */
@@ -621,49 +590,10 @@ INLINE VTARGET void tile_q6_k_vnni(TILE_PARAMS) {
                     __m512i sB = dot_signed(_mm512_setzero_si512(), a[2], neg[2], pair4(xb, 4, 5));
                     sB = dot_signed(sB, a[3], neg[3], pair4(xb, 6, 7));
                     const float dxb = dx[i * nb + b];
-                    acc[i] = k_scale_add(acc[i], halves(sA), dA, dxb);
-                    acc[i] = k_scale_add(acc[i], halves(sB), dB, dxb);
+                    acc[i] = scale_add(acc[i], halves(sA), dA, dxb);
+                    acc[i] = scale_add(acc[i], halves(sB), dB, dxb);
                 }
             }
-    }
-    for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
-}
-
-INLINE VTARGET void tile_iq4_xs_vnni(TILE_PARAMS) {
-    (void)sx;
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(
-        -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
-    __m256 acc[MR];
-    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t B = 0; B < nb / 8; B++) {
-        const uint8_t *blk = w + B * 1088;
-        _mm_prefetch((const char *)(blk + 2 * 1088), _MM_HINT_T0);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256i sh = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 16)));
-        const __m256i sl = _mm256_loadu_si256((const __m256i *)(blk + 32));
-        for (int ib = 0; ib < 8; ib++) {
-            const __m256 dl = xs_scale(d, sh, sl, ib);
-            __m512i a[4];                              /* lo01, lo23, hi01, hi23 */
-            __mmask64 neg[4];
-            for (int hf = 0; hf < 2; hf++) {
-                const __m512i v = _mm512_loadu_si512(blk + 64 + 32 * (4 * ib + 2 * hf));
-                const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low));
-                const __m512i hi = _mm512_shuffle_epi8(
-                    table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
-                a[hf] = _mm512_abs_epi8(lo), neg[hf] = _mm512_movepi8_mask(lo);
-                a[2 + hf] = _mm512_abs_epi8(hi), neg[2 + hf] = _mm512_movepi8_mask(hi);
-            }
-            const int64_t b = 8 * B + ib;
-            for (int i = 0; i < mr; i++) {
-                const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + i * K + b * QK));
-                __m512i s = dot_signed(_mm512_setzero_si512(), a[0], neg[0], pair4(xb, 0, 1));
-                s = dot_signed(s, a[1], neg[1], pair4(xb, 2, 3));
-                s = dot_signed(s, a[2], neg[2], pair4(xb, 4, 5));
-                s = dot_signed(s, a[3], neg[3], pair4(xb, 6, 7));
-                acc[i] = k_scale_add(acc[i], halves(s), dl, dx[i * nb + b]);
-            }
-        }
     }
     for (int i = 0; i < mr; i++) _mm256_storeu_ps(out[i], acc[i]);
 }
@@ -687,13 +617,13 @@ typedef void TilesFn(int type, TILE_PARAMS);
         case GGML_Q8_0: TILE_SWITCH(tile_q8_0##S(TILE_ARGS)) break;                     \
         case GGML_Q4_1: TILE_SWITCH(tile_q4##S(1, 0, TILE_ARGS)) break;                 \
         case GGML_Q4_0: TILE_SWITCH(tile_q4##S(0, 0, TILE_ARGS)) break;                 \
-        case GGML_IQ4_NL: TILE_SWITCH(tile_iq4_nl##S(TILE_ARGS)) break;                 \
+        case GGML_IQ4_NL: TILE_SWITCH(tile_iq4##S(0, TILE_ARGS)) break;                 \
         case GGML_Q5_1: TILE_SWITCH(tile_q4##S(1, 1, TILE_ARGS)) break;                 \
         case GGML_Q5_0: TILE_SWITCH(tile_q4##S(0, 1, TILE_ARGS)) break;                 \
         case GGML_Q4_K: TILE_SWITCH(tile_k4##S(0, TILE_ARGS)) break;                    \
         case GGML_Q5_K: TILE_SWITCH(tile_k4##S(1, TILE_ARGS)) break;                    \
         case GGML_Q6_K: TILE_SWITCH(tile_q6_k##S(TILE_ARGS)) break;                     \
-        default: TILE_SWITCH(tile_iq4_xs##S(TILE_ARGS)) break;        /* IQ4_XS */      \
+        default: TILE_SWITCH(tile_iq4##S(1, TILE_ARGS)) break;        /* IQ4_XS */      \
     }
 
 static QTARGET void tiles_avx2(int type, TILE_PARAMS) { TILES_BY_TYPE() }

@@ -124,6 +124,11 @@ INLINE TARGET_AVX2 __m256i iq4_values(__m256i nibbles) {
     return _mm256_shuffle_epi8(table, nibbles);
 }
 
+/* 8 rows' fp16 field (8 halves at p) as float32. blocks.c and quant.c. */
+INLINE __attribute__((target("avx2,fma,f16c"))) __m256 f16x8(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
 /* Q4_K's and Q5_K's 8 six-bit scales and mins (gguf-py: Q4_K.get_scale_min) of 8 rows at
  * once, times the rows' d and dmin: their 12 bytes regrouped as 3 units of 8 rows (u0, u1,
  * u2 = bytes 0-3, 4-7, 8-11 of each row, at `scales`, `scales` + 32, + 64). blocks.c and
