@@ -18,7 +18,9 @@ from --mix; by default 30/15/25/15/15) of
 - stream:     a streaming /generate read to `data: [DONE]`, the last frame checked;
 - abort:      a streaming request that would run to the context's end, aborted with
               POST /abort_request {rid} after its first frame; its stream must end with an
-              abort finish reason and `data: [DONE]`;
+              abort finish reason and `data: [DONE]`, or, where the abort found nothing
+              (`aborted: 0`: on a fast model the request can run to its end before the abort
+              is read), with the request's full length; those are counted as late aborts;
 - disconnect: a streaming request that would run to the context's end, whose client hangs
               up after 0..8 frames.
 Prompts are random token ids in [10, 700) (valid for the tiny test tokenizer too).
@@ -81,6 +83,7 @@ class Tally:
     errors: Counter = field(default_factory=Counter)
     first_errors: list[str] = field(default_factory=list)
     latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    late_aborts: int = 0        # aborts that came after their request's end (see abort)
 
 
 # ---------------------------------------------------------------------------------------
@@ -93,9 +96,9 @@ class Workload:
     still holds a connection (/abort_request), so those never wait for that pool."""
 
     def __init__(self, client: httpx.AsyncClient, control: httpx.AsyncClient, context: int,
-                 max_new: int, rng: random.Random):
+                 max_new: int, rng: random.Random, tally: Tally):
         self.client, self.control = client, control
-        self.context, self.max_new, self.rng = context, max_new, rng
+        self.context, self.max_new, self.rng, self.tally = context, max_new, rng, tally
 
     def prompt(self) -> list[int]:
         return [self.rng.randrange(TOKEN_LOW, TOKEN_HIGH)
@@ -146,9 +149,14 @@ class Workload:
             r = await self.control.post("/abort_request", json={"rid": rid})
             expect(r.status_code == 200, f"abort_request: {r.status_code} {r.text[:200]}")
             aborted.append(r.json().get("aborted"))
+        sampling = self.long_sampling(prompt)
         frames = await self.read_stream({"input_ids": prompt, "rid": rid,
-                                         "sampling_params": self.long_sampling(prompt)},
+                                         "sampling_params": sampling},
                                         on_first_frame=on_first_frame)
+        if aborted == [0]:      # it had ended when the abort was read: it must be whole
+            check_length(frames[-1], sampling["max_new_tokens"], "abort (late)")
+            self.tally.late_aborts += 1
+            return
         reason = frames[-1]["meta_info"]["finish_reason"]
         expect(aborted == [1] and reason is not None and reason["type"] == "abort",
                f"abort: /abort_request answered {aborted} after the first frame; the "
@@ -208,7 +216,7 @@ async def soak(base_url: str, args, context: int, tally: Tally, deadline: float,
     async with httpx.AsyncClient(base_url=base_url, timeout=args.request_timeout,
                                  limits=limits) as client, \
             httpx.AsyncClient(base_url=base_url, timeout=args.request_timeout) as control:
-        work = Workload(client, control, context, args.max_new_tokens, rng)
+        work = Workload(client, control, context, args.max_new_tokens, rng, tally)
         running: Counter = Counter()
 
         def failed(kind: str, why: str) -> None:
@@ -457,6 +465,9 @@ def main(argv=None) -> int:
         print(f"  {kind:<10} {tally.started[kind]:>6} started {tally.ok[kind]:>6} ok "
               f"{tally.errors[kind]:>4} failed   latency p50 {percentile(lat, .5):6.2f} s "
               f"p99 {percentile(lat, .99):6.2f} s")
+    if tally.late_aborts:
+        print(f"  aborts that found their request ended (it ran to its length first): "
+              f"{tally.late_aborts}")
     for e in warm.first_errors + tally.first_errors:
         print(f"  error: {e}")
     moved = {k: after[k] - before[k] for k in ("generated_tokens_total", "prompt_tokens_total",
@@ -479,6 +490,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"elapsed": elapsed, "started": tally.started, "ok": tally.ok,
                        "errors": tally.errors, "first_errors": tally.first_errors,
+                       "late_aborts": tally.late_aborts,
                        "checks": {k: {"ok": ok, "detail": d} for k, (ok, d) in checks.items()},
                        "before": before, "after": after}, f, indent=2)
     return 0 if passed else 1
