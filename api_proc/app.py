@@ -49,7 +49,9 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
     async def model_info(_: Request) -> Response:
         return JSONResponse({"model_path": config.model_path,
                              "tokenizer_path": config.tokenizer_path,
-                             "is_generation": True})
+                             "is_generation": True,
+                             "architecture": config.model.architecture,
+                             "has_image_understanding": config.model.image_token_id is not None})
 
     secrets = ("api_key", "admin_api_key")
     public_args = {k: ("<set>" if k in secrets and v is not None else v)

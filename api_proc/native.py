@@ -22,7 +22,8 @@ from wire.sampling import SamplingParams
 
 LOGPROB_KEYS = ("return_logprob", "top_logprobs_num", "logprob_start_len",
                 "return_text_in_logprobs")
-KNOWN_KEYS = {"text", "input_ids", "sampling_params", "rid", "stream", *LOGPROB_KEYS}
+KNOWN_KEYS = {"text", "input_ids", "sampling_params", "rid", "stream", "image_data",
+              *LOGPROB_KEYS}
 
 # The rest of SGLang's GenerateReqInput. Its clients send many of these on every request
 # (bench_serving: lora_path, return_routed_experts; the router: model, log_metrics, no_logs,
@@ -33,7 +34,7 @@ SGLANG_IGNORED = frozenset({
     "priority", "received_time", "external_trace_header", "session_id"})
 # Features zserve does not have: accepted at their default (or null), else a 400.
 SGLANG_DEFAULTS: dict[str, Any] = {
-    "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None,
+    "input_embeds": None, "video_data": None, "audio_data": None,
     "mm_hashes": None, "mm_content_hashes": None, "use_audio_in_video": False,
     "video_config": None, "token_ids_logprob": None, "return_sampling_mask": False,
     "return_flat_raw_top_logprobs": False, "return_flat_raw_top_logprobs_b64": False,
@@ -136,6 +137,31 @@ def _rids(body: dict, num: int, ns: list[int], is_batch: bool) -> list[str]:
     raise BadRequest("rid must be a string or a list of strings, one per prompt.")
 
 
+def _image_list(value: Any, where: str) -> list[str] | None:
+    """One prompt's images: null, one image, or a list of them (each a string)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value) or None
+    raise BadRequest(f"{where} must be an image (a base64 string, a data: URI, a file path "
+                     f"or a URL), a list of images, or null.")
+
+
+def _images(body: dict, num: int, is_batch: bool) -> list[list[str] | None]:
+    """image_data, one entry per prompt: for one prompt an image or a list of its images;
+    for a batch a list with one entry (an image, a list of images, or null) per prompt."""
+    raw = body.get("image_data")
+    if raw is None:
+        return [None] * num
+    if not is_batch:
+        return [_image_list(raw, "image_data")]
+    if not isinstance(raw, list) or len(raw) != num:
+        raise BadRequest(f"image_data must be a list with one entry per prompt ({num}).")
+    return [_image_list(v, f"image_data[{i}]") for i, v in enumerate(raw)]
+
+
 def parse_generate(body: Any) -> ParsedGenerate:
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.")
@@ -147,8 +173,11 @@ def parse_generate(body: Any) -> ParsedGenerate:
     if not isinstance(stream, bool):
         raise BadRequest("stream must be a boolean.")
     rids = _rids(body, len(prompts), [p.n for p in params], is_batch)
-    reqs, warmups = expand([Prompt(text=p) if kind == "text" else Prompt(input_ids=p)
-                            for p in prompts], params, rids, stream=stream, logprob=logprob)
+    images = _images(body, len(prompts), is_batch)
+    reqs, warmups = expand([Prompt(text=p, image_data=im) if kind == "text"
+                            else Prompt(input_ids=p, image_data=im)
+                            for p, im in zip(prompts, images)], params, rids, stream=stream,
+                           logprob=logprob)
     return ParsedGenerate(reqs, is_batch or len(reqs) > 1, stream, text_in_logprobs, warmups)
 
 

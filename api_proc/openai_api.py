@@ -14,7 +14,9 @@ Choices made where OpenAI, vLLM and SGLang leave room (README lists them):
   `max_completion_tokens` means "until the context length" (vLLM, SGLang): the API process
   renders the chat template itself to count the prompt.
 - `seed` with n > 1: sample j uses seed + j, so the samples differ yet are reproducible.
-- Text content parts are joined with "\n" (vLLM); any other part type is a 400.
+- Text content parts are joined with "\n" (vLLM); image_url parts go to the chat template
+  as {"type": "image"} parts (transformers' form), their URLs to the tokenizer process,
+  which loads them (media/sources.py: what may be fetched); any other part type is a 400.
 - Unknown fields are ignored (as vLLM and SGLang do); known OpenAI features we do not have
   (suffix, best_of != n, tool_choice "auto" without --tool-call-parser, ...) are a 400.
 - Tools (chat): a named function in `tool_choice`, or "required", constrains the output to
@@ -61,9 +63,9 @@ from api_proc.reasoning import StreamSplitter
 from api_proc.reasoning import split as split_reasoning
 from api_proc.tools import ToolError, check_tools, forced_calls, forced_schema
 from api_proc.tools import parse as parse_tool_calls
-from wire.messages import (MAX_TOP_LOGPROBS, TEMPLATE_RESERVED, ChatMessage, FinishReason,
-                           GenerateRequest,
-                           LogprobRequest, Logprobs, TextOutput)
+from wire.messages import (MAX_TOP_LOGPROBS, TEMPLATE_RESERVED, ChatMessage, ContentPart,
+                           FinishReason, GenerateRequest, LogprobRequest, Logprobs,
+                           TextOutput)
 from wire.sampling import GRAMMAR_KEYS, SamplingError, SamplingParams
 from wire.server_args import ServerConfig
 
@@ -294,30 +296,43 @@ def parse_completion(body: Any, model_id: str) -> ParsedOpenAI:
                         echo=prompts if echo else None, warmups=warmups)
 
 
-def _content_text(content: Any, i: int) -> str:
+def _content(content: Any, i: int, images: list[str]) -> tuple[str, list[ContentPart] | None]:
+    """A message's content -> (its text, its parts when it has images); the images' URLs
+    are appended to `images`, in order."""
     if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":
-                raise OpenAIError(f"messages[{i}].content: only text content parts are "
-                                  f"supported, got {json.dumps(kind)}.", param="messages")
+        return content, None
+    if not isinstance(content, list):
+        raise OpenAIError(f"messages[{i}].content must be a string or a list of content "
+                          f"parts.", param="messages")
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
             if not isinstance(part.get("text"), str):
                 raise OpenAIError(f"messages[{i}].content: a text part needs a string "
                                   f"'text'.", param="messages")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise OpenAIError(f"messages[{i}].content must be a string or a list of content parts.",
-                      param="messages")
+            parts.append(ContentPart("text", part["text"]))
+        elif kind == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or not url:
+                raise OpenAIError(f"messages[{i}].content: an image_url part needs "
+                                  f"{{\"url\": string}}.", param="messages")
+            parts.append(ContentPart("image"))
+            images.append(url)
+        else:
+            raise OpenAIError(f"messages[{i}].content: only text and image_url content parts "
+                              f"are supported, got {json.dumps(kind)}.", param="messages")
+    text = "\n".join(p.text for p in parts if p.type == "text")
+    return text, parts if any(p.type == "image" for p in parts) else None
 
 
-def _messages(body: dict) -> list[ChatMessage]:
+def _messages(body: dict) -> tuple[list[ChatMessage], list[str]]:
+    """The messages, and their images' URLs in order."""
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise OpenAIError("messages must be a non-empty list.", param="messages")
-    out = []
+    out, images = [], []
     for i, m in enumerate(raw):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
             raise OpenAIError(f"messages[{i}] must be an object with a string 'role'.",
@@ -326,10 +341,10 @@ def _messages(body: dict) -> list[ChatMessage]:
         if content is None and m["role"] != "assistant":
             raise OpenAIError(f"messages[{i}] ({m['role']}) needs content.",
                               param="messages")
-        out.append(ChatMessage(m["role"], "" if content is None else _content_text(content, i),
-                               _history_calls(m.get("tool_calls"), i),
-                               _tool_call_id(m.get("tool_call_id"), i)))
-    return out
+        text, parts = ("", None) if content is None else _content(content, i, images)
+        out.append(ChatMessage(m["role"], text, _history_calls(m.get("tool_calls"), i),
+                               _tool_call_id(m.get("tool_call_id"), i), parts))
+    return out, images
 
 
 def _history_calls(calls, i: int) -> str | None:
@@ -352,9 +367,10 @@ def _tool_call_id(value, i: int) -> str | None:
 
 
 def parse_chat(body: Any, model_id: str, context_length: int, tool_parser: str | None = None,
-               reasoning_parser: str | None = None) -> ParsedOpenAI:
+               reasoning_parser: str | None = None, takes_images: bool = False
+               ) -> ParsedOpenAI:
     """tool_parser / reasoning_parser: the server's --tool-call-parser and
-    --reasoning-parser (None: not set)."""
+    --reasoning-parser (None: not set); takes_images: the model is a vision one."""
     if not isinstance(body, dict):
         raise OpenAIError("The request body must be a JSON object.")
     _check_model(body, model_id)
@@ -367,7 +383,10 @@ def parse_chat(body: Any, model_id: str, context_length: int, tool_parser: str |
         "continue_final_message": lambda v: v is False,
         "chat_template_kwargs": lambda v: True, "audio": lambda v: False,
         "modalities": lambda v: v == ["text"]})
-    messages = _messages(body)
+    messages, images = _messages(body)
+    if images and not takes_images:
+        raise OpenAIError("This model does not take images (image_url content parts).",
+                          param="messages")
     stream = _bool_field(body, "stream")
     include_usage = _stream_options(body, stream)
     want_logprobs = _bool_field(body, "logprobs")
@@ -393,7 +412,8 @@ def parse_chat(body: Any, model_id: str, context_length: int, tool_parser: str |
         params = params.with_json_schema(forced)
     logprob_req = None if logprobs is None else LogprobRequest(top_logprobs_num=logprobs)
     base = uuid.uuid4().hex
-    reqs, warmups = expand([Prompt(messages=messages, template_json=template_json)], [params],
+    reqs, warmups = expand([Prompt(messages=messages, template_json=template_json,
+                                   image_data=images or None)], [params],
                            [f"chatcmpl-{base}_{j}" for j in range(params.n)], stream=stream,
                            logprob=logprob_req, fit_context=unset)
     return ParsedOpenAI(reqs, params.n, stream, include_usage, logprobs, warmups=warmups,
@@ -578,7 +598,9 @@ class OpenAIHandler:
     def _card(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": self.created,
                 "owned_by": "zserve", "root": self.config.model_path, "parent": None,
-                "max_model_len": self.config.context_length}
+                "max_model_len": self.config.context_length,
+                "input_modalities": (["text"] if self.config.model.image_token_id is None
+                                     else ["text", "image"])}
 
     async def models(self, _: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._card()]})
@@ -602,7 +624,8 @@ class OpenAIHandler:
             if chat:
                 args = self.config.args
                 parsed = parse_chat(body, self.model_id, self.config.context_length,
-                                    args.tool_call_parser, args.reasoning_parser)
+                                    args.tool_call_parser, args.reasoning_parser,
+                                    self.config.model.image_token_id is not None)
             else:
                 parsed = parse_completion(body, self.model_id)
             echo = await self._echo_texts(parsed)

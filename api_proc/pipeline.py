@@ -35,11 +35,13 @@ class Prompt:
     input_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     template_json: str | None = None        # with messages: GenerateRequest.template_json
+    image_data: list[str] | None = None     # its images, in placeholder order
 
     def request(self, rid: str, sampling: SamplingParams, **kw) -> GenerateRequest:
         return GenerateRequest(rid=rid, text=self.text, input_ids=self.input_ids,
                                messages=self.messages, sampling=sampling,
-                               template_json=self.template_json, **kw)
+                               template_json=self.template_json,
+                               image_data=self.image_data, **kw)
 
 
 def sample_params(params: SamplingParams, n: int) -> list[SamplingParams]:

@@ -162,10 +162,12 @@ def _train_tokenizer():
     return tok
 
 
-def build_tokenizer(out_dir) -> None:
+def build_tokenizer(out_dir, extra_special: tuple[str, ...] = (),
+                    chat_template: str = CHAT_TEMPLATE) -> None:
     """Train the byte-level BPE tokenizer on CORPUS and save it (transformers format).
 
     Special tokens <s> (bos), </s> (eos), <pad>, <|im_start|>, <|im_end|> get ids 0..4;
+    `extra_special` ones (a vision model's image tokens) follow the trained vocabulary;
     encoding with add_special_tokens=True prepends <s>; the chat template is ChatML."""
     from transformers import PreTrainedTokenizerFast
 
@@ -174,9 +176,9 @@ def build_tokenizer(out_dir) -> None:
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
-        additional_special_tokens=[IM_START, IM_END],
+        additional_special_tokens=[IM_START, IM_END, *extra_special],
         clean_up_tokenization_spaces=False,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         model_max_length=512,
     )
     hf_tok.save_pretrained(str(out_dir))
@@ -345,13 +347,16 @@ def _install(tmp: pathlib.Path, final: pathlib.Path) -> pathlib.Path:
 
 
 def ensure_checkpoint(family: str = "llama", root=None) -> pathlib.Path:
-    """The cached tiny checkpoint for `family` (seed 0, default config), built on first use.
+    """The cached tiny checkpoint for `family` (seed 0, default config; a text family of
+    FAMILIES or a vision one of tiny_vision.VISION_FAMILIES), built on first use.
 
     Lives in root (default: default_cache_root()) / tiny-{family}-v{CHECKPOINT_VERSION}. The
     directory only ever appears complete: it is built under a temporary name in the same
     parent and renamed into place, so concurrent callers are safe."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    from checkpoints.tiny_vision import BUILDERS, VISION_FAMILIES
+    if family not in FAMILIES + VISION_FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of "
+                         f"{FAMILIES + VISION_FAMILIES}")
     root = pathlib.Path(root) if root is not None else default_cache_root()
     root = root.expanduser().absolute()  # children may run with another cwd
     final = root / checkpoint_dir_name(family)
@@ -361,7 +366,7 @@ def ensure_checkpoint(family: str = "llama", root=None) -> pathlib.Path:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache entry should be readable
-        build_tiny_checkpoint(tmp, family)
+        BUILDERS.get(family, build_tiny_checkpoint)(tmp, family)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from wire.model_path import decoder_config, vision_architecture
+
 # HF architecture name -> family. Everything in the model file keys off the family.
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -51,6 +53,11 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     dtype: torch.dtype | None = None  # the checkpoint's dtype, informational
+    # A vision-language model (wire.model_path.VISION_ARCHITECTURES): its architecture and
+    # whole config.json, which its encoder reads (models/vision/); None for a text model.
+    # The fields above are then its text decoder's.
+    vision_architecture: str | None = None
+    vision_config: dict | None = None
 
     @property
     def q_size(self) -> int:
@@ -86,6 +93,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict, generation: dict | None = None) -> ModelConfig:
+        full, vision = cfg, vision_architecture(cfg)
+        cfg = decoder_config(cfg)
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
@@ -125,6 +134,8 @@ class ModelConfig:
             eos_token_ids=_eos_ids(cfg, generation or {}),
             bos_token_id=cfg.get("bos_token_id"),
             dtype=_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
+            vision_architecture=vision,
+            vision_config=full if vision is not None else None,
         )
 
 

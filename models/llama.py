@@ -37,6 +37,7 @@ from models.distributed import SOLO
 from .config import ModelConfig
 from .ops import Rotary, rms_norm, rope_, silu_and_mul
 from .tp import Shard
+from .vision import build_encoder
 
 
 class AttentionBackend(Protocol):
@@ -202,15 +203,25 @@ class CausalLM(nn.Module):
         # Built on the CPU even when the module is built on `meta`; load_model moves and casts it.
         self.register_buffer("cos_sin", rope_cos_sin(config, device="cpu"), persistent=False)
         self.fast = None        # a FastDecode (fast_decode.py), set by load_model where it applies
+        # A vision-language model's image encoder (models/vision/), else None.
+        if config.vision_architecture is not None and self.tp is not None:
+            raise ValueError(f"{config.vision_architecture} does not run under tensor "
+                             f"parallelism yet: use --tp-size 1")
+        self.vision = build_encoder(config)
 
     @torch.inference_mode()
-    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend,
+                embeds: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """input_ids, positions: [N] -> [N, hidden], the residual stream after the last layer
-        (compute_logits applies the final norm, only to the rows that need logits)."""
-        if self.fast is not None and self.fast.takes(attn, positions):
+        (compute_logits applies the final norm, only to the rows that need logits).
+        embeds: (rows [M], values [M, hidden]): those rows take these inputs in place of
+        their tokens' embeddings (an image's encoder output)."""
+        if embeds is None and self.fast is not None and self.fast.takes(attn, positions):
             return self.fast.run(input_ids, positions, attn)    # the same, in one C call
         x = (self.embed_tokens(input_ids) if self.tp is None
              else self._embed_sharded(input_ids))
+        if embeds is not None:
+            x[embeds[0]] = embeds[1].to(x.dtype)
         residual = None
         rotary = Rotary(self.cos_sin, positions)
         for layer in self.layers:

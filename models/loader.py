@@ -48,6 +48,7 @@ from .quant_linear import KEPT_TYPES, QuantEmbedding, QuantLinear, quantize_q8_0
 from wire.proc import return_freed_heap
 from wire.server_args import INT8_BATCH, QUANTIZATIONS, quantization_refusal
 from .tp import VOCAB_PARTS, Selection, Shard
+from .vision import checkpoint_names
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.d
             rows, hidden = model.embed_tokens.weight.shape     # this rank's vocabulary block
             model.lm_head = nn.Linear(hidden, rows, bias=False, device=device, dtype=dtype)
             model.lm_head.weight.data = model.embed_tokens.weight.data
-        _replace_linears(model, layer)
+        _replace_linears(model, layer, skip=("vision",))    # the encoder keeps torch's
     model.fast = FastDecode.of(model)
     return_freed_heap()        # the temporaries' pages: ~24 MB of the default model's
     return model
@@ -249,13 +250,14 @@ def _load_safetensors(model_dir: Path, config: ModelConfig, params: dict[str, to
     """Copy every tensor of the directory's safetensors files (this rank's part of each,
     under tensor parallelism) into its rows of params."""
     targets = _checkpoint_targets(shard.config if shard is not None else config, params, shard)
+    names = checkpoint_names(config)
     filled, unexpected = set(), []
     for path in _safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for key in f.keys():
                 if key.endswith("rotary_emb.inv_freq"):        # recomputed, not loaded
                     continue
-                if key == "lm_head.weight" and config.tie_word_embeddings:
+                if key == f"{names.head}.weight" and config.tie_word_embeddings:
                     continue                                    # a redundant copy of the embedding
                 if key not in targets:
                     unexpected.append(key)
@@ -284,10 +286,13 @@ def _cpu_linear_class(device: torch.device, dtype: torch.dtype) -> type[nn.Modul
     return PackedLinear if can_pack(device, dtype) else None
 
 
-def _replace_linears(model: nn.Module, layer: type[nn.Module]) -> None:
+def _replace_linears(model: nn.Module, layer: type[nn.Module],
+                     skip: tuple[str, ...] = ()) -> None:
     """Replace every nn.Linear below `model` with layer(weight, bias) (unless that is None),
-    in place."""
+    in place; not below the children named in `skip`."""
     for name, child in list(model.named_children()):
+        if name in skip:
+            continue
         if isinstance(child, nn.Linear):
             if (new := layer(child.weight, child.bias)) is not None:
                 setattr(model, name, new)
@@ -310,17 +315,21 @@ def _checkpoint_targets(config: ModelConfig, params: dict[str, torch.Tensor],
     rank's under tensor parallelism)."""
     part_rows = {"q_proj": config.q_size, "k_proj": config.kv_size, "v_proj": config.kv_size,
                  "gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
+    names = checkpoint_names(config)
     targets = {}
 
     def select(part: str, kind: str) -> Selection | None:
         return None if shard is None else shard.select(part.rsplit(".", 1)[-1], kind)
 
     for name in params:
+        if name.startswith("vision."):                          # an image encoder's, whole
+            targets[names.encoder + name.removeprefix("vision.")] = (name, slice(None), None)
+            continue
         module, kind = name.rsplit(".", 1)                      # kind: "weight" | "bias"
-        hf_module = module if module == "lm_head" else f"model.{module}"
+        hf_module = names.head if module == "lm_head" else f"{names.decoder}{module}"
         row_bias = next((b for b in ROW_BIASES if name.endswith(b)), None)
         if row_bias is not None:                                # replicated, added once
-            hf_module = f"model.{name[: -len(row_bias)]}{ROW_BIASES[row_bias]}"
+            hf_module = f"{names.decoder}{name[: -len(row_bias)]}{ROW_BIASES[row_bias]}"
             targets[f"{hf_module}.bias"] = (name, slice(None), None)
             continue
         fused = next((f for f in _FUSED if module.endswith(f)), None)

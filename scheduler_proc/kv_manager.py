@@ -50,7 +50,7 @@ class KVManager:
         req.row = self.req_to_token.allocate()
         if self.cache is None:
             return
-        slots, node = self.cache.match_prefix(req.token_ids(0, req.max_prefix_match))
+        slots, node = self.cache.match_prefix(req.key_ids(0, req.max_prefix_match))
         self.cache.lock(node)
         req.prefix_node, req.prefix_len = node, len(slots)
         req.slots = list(slots)
@@ -77,7 +77,7 @@ class KVManager:
         if self.cache is None:
             self.pool.free(req.slots)
         else:
-            have = self.cache.insert(req.token_ids(0, n), req.slots[:n])
+            have = self.cache.insert(req.key_ids(0, n), req.slots[:n])
             self.pool.free(req.slots[req.prefix_len:have] + req.slots[n:])
             self.cache.unlock(req.prefix_node)
         self.req_to_token.free(req.row)

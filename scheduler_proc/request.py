@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from scheduler_proc.images import image_key
 from scheduler_proc.sampler import seeded_generator
 from wire.messages import DecodeParams, FinishReason, LogprobRequest, Logprobs, TokenizedRequest
 from wire.sampling import SamplingParams
@@ -18,11 +19,28 @@ class Req:
     __slots__ = ("rid", "api", "input_ids", "sampling", "stream", "output_ids", "slots", "row",
                  "prefix_node", "prefix_len", "cached_tokens", "arrived_at", "queue_time",
                  "finish", "announced", "decode_sent", "first_token_at", "generator", "logprob", "input_logprobs",
-                 "pending_logprobs", "held_ids", "grammar", "grammar_future")
+                 "pending_logprobs", "held_ids", "grammar", "grammar_future", "images",
+                 "image_positions", "key_prompt")
 
-    def __init__(self, msg: TokenizedRequest, device: torch.device | str = "cpu"):
+    def __init__(self, msg: TokenizedRequest, device: torch.device | str = "cpu",
+                 image_token_id: int | None = None):
+        """image_token_id: the model's image token, where msg carries images (checked
+        against the prompt already: ImageEmbedder.check)."""
         self.rid = msg.rid
         self.input_ids: list[int] = msg.input_ids
+        # Images (scheduler_proc/images.py): each one's positions that take its encoder
+        # rows, in order; and the prompt as the radix cache keys it (an image's span by
+        # the image's hash, so only the same image matches).
+        self.images = msg.images or None
+        self.image_positions: list[list[int]] = []
+        self.key_prompt = self.input_ids
+        if self.images:
+            self.key_prompt = list(self.input_ids)
+            for im in self.images:
+                span = range(im.offset, im.offset + im.length)
+                self.image_positions.append([p for p in span
+                                             if self.input_ids[p] == image_token_id])
+                self.key_prompt[im.offset:im.offset + im.length] = [image_key(im)] * im.length
         self.sampling: SamplingParams = msg.sampling
         self.stream = msg.stream
         self.api = msg.api                   # the API process its outputs go to
@@ -101,10 +119,17 @@ class Req:
         return len(self.input_ids) + max(self.sampling.max_new_tokens - 1, 0)
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        n = len(self.input_ids)
+        return self._ids(self.input_ids, start, end)
+
+    def key_ids(self, start: int, end: int) -> list[int]:
+        """token_ids as the radix cache keys them: an image's positions by its hash."""
+        return self._ids(self.key_prompt, start, end)
+
+    def _ids(self, prompt: list[int], start: int, end: int) -> list[int]:
+        n = len(prompt)
         if end <= n:
-            return self.input_ids[start:end]
-        return (self.input_ids[start:] if start < n else []) + \
+            return prompt[start:end]
+        return (prompt[start:] if start < n else []) + \
             self.output_ids[max(start - n, 0):end - n]
 
     def phase_times(self) -> tuple[float | None, float | None]:

@@ -56,6 +56,7 @@ import torch
 
 from models.ops import decode_kernel_fits
 from scheduler_proc.attention import StepAttention
+from scheduler_proc.images import ImageEmbedder
 from models import ModelConfig, load_model
 from scheduler_proc.pool import KVCache, ReqToToken
 from scheduler_proc.request import Req
@@ -135,6 +136,10 @@ class ModelRunner:
         self.decode_kernel = decode_kernel_fits(self.device, self.dtype, c.num_heads,
                                                 c.num_kv_heads, c.head_dim, self.kv_dtype)
         self.table_log: list[TableWrite] | None = None     # rank 0 under TP: share_table
+        # A vision-language model's encoder, run on the images of each step (images.py).
+        self.images = (None if self.model.vision is None else ImageEmbedder(
+            self.model.vision, self.device, self.dtype,
+            args.image_embedding_cache_mb * 1024 * 1024))
         torch.manual_seed(args.random_seed)
         log.info("model %s (%s) on %s/%s, KV pool %d tokens (%s), decode attention on %s%s",
                  resolved.model_path, c.architecture, self.device, self.dtype, self.pool_size,
@@ -190,7 +195,8 @@ class ModelRunner:
         req.pending_logprobs / req.input_logprobs."""
         plan, scored = self.plan(segments)
         if self.tp.size == 1:
-            logits = self.execute(plan, req_to_token, self._scorer(scored))
+            embeds = self.images.step_embeds(segments) if self.images is not None else None
+            logits = self.execute(plan, req_to_token, self._scorer(scored), embeds)
         else:
             logits = self._execute_shared(plan, req_to_token, scored)
         if logits is None:
@@ -233,9 +239,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, req_to_token: torch.Tensor,
-                score: Callable[[int, torch.Tensor], None] | None = None
+                score: Callable[[int, torch.Tensor], None] | None = None,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None
                 ) -> torch.Tensor | None:
-        """Run a plan: the model over its tokens, then the logits of each score range
+        """Run a plan: the model over its tokens (the rows in `embeds` taking an image
+        encoder's output: CausalLM.forward), then the logits of each score range
         (handed to score(i, logits) on rank 0) and of the sampled rows, returned (None
         where there are none, and on the followers). The same calls in the same order on
         every rank: each one may be a collective."""
@@ -248,7 +256,7 @@ class ModelRunner:
             hidden = self.model(torch.tensor(plan.ids, dtype=torch.int64, device=self.device),
                                 torch.tensor(plan.positions, dtype=torch.int64,
                                              device=self.device),
-                                attn)
+                                attn, embeds)
             for i, (row, n) in enumerate(plan.score_ranges):
                 logits = self.model.compute_logits(hidden[row:row + n])
                 if score is not None:

@@ -193,7 +193,8 @@ class Scheduler:
             return
         if msg.fit_context:
             self.fit_pool(msg)
-        req = Req(msg, self.runner.device)
+        images = getattr(self.runner, "images", None)
+        req = Req(msg, self.runner.device, images.image_token_id if images else None)
         self._expire_early_aborts()
         if self.early_aborts.pop(req.rid, None) is not None:
             self.finish(req, FinishReason(type="abort", message="Aborted by the client."))
@@ -241,6 +242,11 @@ class Scheduler:
             return f"logprob_start_len must be at least -1, got {lp.start_len}."
         if s.grammar is not None and self.grammars is None:
             return "Constrained decoding (json_schema, regex, ebnf) is not available here."
+        if msg.images:
+            images = getattr(self.runner, "images", None)
+            if images is None:
+                return "This model does not take images."
+            return images.check(ids, msg.images)
         return None
 
     def reject(self, msg: TokenizedRequest, message: str) -> None:

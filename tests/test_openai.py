@@ -332,7 +332,9 @@ def test_model_may_be_omitted(server):
 @pytest.mark.parametrize("body, fragment", [
     ({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
-     "only text content parts are supported"),
+     "This model does not take images"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+     "only text and image_url content parts are supported"),
     ({"messages": []}, "messages must be a non-empty list"),
     ({"messages": MESSAGES, "stream_options": {"include_usage": True}},
      "only allowed when 'stream' is enabled"),

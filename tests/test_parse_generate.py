@@ -308,7 +308,7 @@ def test_sglang_default_fields_are_accepted():
 
 @pytest.mark.parametrize("field,value", [("lora_path", "my-adapter"),
                                          ("return_hidden_states", True),
-                                         ("image_data", "http://x/cat.png"),
+                                         ("video_data", "http://x/cat.mp4"),
                                          ("routed_experts_start_len", 3),
                                          ("background", True)])
 def test_sglang_features_we_lack_are_400_naming_the_field(field, value):

@@ -17,9 +17,11 @@ import logging
 from pathlib import Path
 
 from grammars.checker import Verdicts
+from media.processors import expand, image_processor, placeholders
+from media.sources import MediaError, MediaPolicy, load_image
 from tokenization.hf_tokenizer import HFTokenizer
 from wire.messages import (MAX_TOP_LOGPROBS, TEMPLATE_RESERVED, GenerateRequest,
-                           TokenizedRequest, replace)
+                           ImageFeatures, TokenizedRequest, replace)
 from wire.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from wire.server_args import ServerConfig
 
@@ -164,12 +166,17 @@ def template_extras(template_json: str | None) -> tuple[list | None, dict]:
 
 class Tokenizer:
     def __init__(self, tokenizer_path: str, vocab_size: int, context_len: int,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, images=None,
+                 media: MediaPolicy = MediaPolicy(), max_images: int = 16):
+        """images: the model's image processor (media/processors.py; None: a text
+        model); media, max_images: what a request's images may be and cost."""
         self.tok = HFTokenizer.from_dir(tokenizer_path)
         if chat_template is not None:
             self.tok.chat_template = chat_template
         self.vocab_size = vocab_size
         self.context_len = context_len
+        self.images = images
+        self.media, self.max_images = media, max_images
         self.verdicts = Verdicts()          # the grammar checker's, by grammar
         bound = chars_per_token_bound(self.tok)
         # Invariant: a text longer than this has more than context_len tokens (None: no
@@ -185,8 +192,11 @@ class Tokenizer:
     def of(cls, config: ServerConfig) -> "Tokenizer":
         """As the server's processes build it: everything from the resolved record (the
         vocabulary size included: config.json is not read again here)."""
+        args, facts = config.args, config.model
         return cls(config.tokenizer_path, config.vocab_size, config.context_length,
-                   load_chat_template(config.args.chat_template))
+                   load_chat_template(args.chat_template),
+                   image_processor(config.model_path, facts.architecture, facts.image_token_id),
+                   MediaPolicy.of(args), args.max_images_per_request)
     def validate(self, req: GenerateRequest) -> None:
         """Everything that can be checked without tokens; raises RequestError."""
         forms = [req.text is not None, req.input_ids is not None, req.messages is not None]
@@ -285,6 +295,9 @@ class Tokenizer:
             ids = self._encode(req.text)
         if not ids:
             raise RequestError("The input is empty.")
+        images = None
+        if req.image_data is not None:
+            ids, images = self.add_images(ids, req.image_data)
         n, s = len(ids), req.sampling
         if req.fit_context and n + s.max_new_tokens >= self.context_len:
             room = max(self.context_len - n - 1, 0)
@@ -300,4 +313,26 @@ class Tokenizer:
                 f"the completion to fit within the limit.")
         return TokenizedRequest(rid=req.rid, input_ids=ids, sampling=s, stream=req.stream,
                                 logprob=req.logprob, fit_context=req.fit_context,
-                                api=req.api)
+                                api=req.api, images=images)
+
+    def add_images(self, ids: list[int], sources: list[str]
+                   ) -> tuple[list[int], list[ImageFeatures]]:
+        """Load and preprocess a prompt's images and expand its placeholders: the prompt's
+        ids with each image's tokens, and the images as the scheduler takes them."""
+        if self.images is None:
+            raise RequestError("This model does not take images.")
+        if len(sources) > self.max_images:
+            raise RequestError(f"The prompt has {len(sources)} images, more than the limit of "
+                               f"{self.max_images} (--max-images-per-request).")
+        try:
+            placeholders(ids, len(sources), self.images.image_token_id)   # before loading
+            processed = [self.images.process(load_image(src, self.media)) for src in sources]
+            ids, spans = expand(ids, processed, self.images.image_token_id)
+        except MediaError as e:
+            raise RequestError(str(e)) from None
+        if len(ids) >= self.context_len:
+            raise self._too_long(len(ids))
+        return ids, [ImageFeatures(hash=p.digest(), offset=off, length=n,
+                                   pixels=p.pixels.tobytes(), shape=list(p.pixels.shape),
+                                   dtype=str(p.pixels.dtype), grid=p.grid)
+                     for p, (off, n) in zip(processed, spans)]

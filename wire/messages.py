@@ -45,6 +45,19 @@ class FinishReason(WireStruct):
         return out
 
 
+class ContentPart(WireStruct):
+    """One part of a message whose content mixes text and images: type "text" (with its
+    text) or "image" (the request's next image, GenerateRequest.image_data, in order)."""
+
+    type: str
+    text: str = ""
+
+    def to_template(self) -> dict:
+        """As transformers passes parts to chat templates."""
+        return {"type": "image"} if self.type == "image" else {"type": "text",
+                                                                 "text": self.text}
+
+
 class ChatMessage(WireStruct):
     role: str
     content: str
@@ -53,10 +66,15 @@ class ChatMessage(WireStruct):
     # message's tool_call_id.
     tool_calls_json: str | None = None
     tool_call_id: str | None = None
+    # Content with images: the parts in order (content is then their text joined).
+    parts: list[ContentPart] | None = None
 
     def to_template(self) -> dict:
-        """The message as chat templates read it (tool_calls parsed; None fields left out)."""
-        out = {"role": self.role, "content": self.content}
+        """The message as chat templates read it (tool_calls parsed; None fields left out;
+        a message with images as a list of parts)."""
+        content = self.content if self.parts is None else [p.to_template()
+                                                          for p in self.parts]
+        out = {"role": self.role, "content": content}
         if self.tool_calls_json is not None:
             out["tool_calls"] = json.loads(self.tool_calls_json)
         if self.tool_call_id is not None:
@@ -119,6 +137,9 @@ class GenerateRequest(WireStruct, tag=1):
     # messages only: what else the chat template renders, as JSON text {"tools": [...] or
     # null, "kwargs": {...}} (OpenAI tools; chat_template_kwargs, e.g. enable_thinking)
     template_json: str | None = None
+    # The prompt's images, in the order of its placeholders: each as the client gave it
+    # (base64, a data: URI, a path or a URL); the tokenizer loads and checks them.
+    image_data: list[str] | None = None
 
 
 # ---- api -> tokenizer -> scheduler ---------------------------------------------------------
@@ -140,6 +161,24 @@ class FlushCacheRequest(WireStruct, tag=7):
 
 # ---- tokenizer -> scheduler ----------------------------------------------------------------
 
+class ImageFeatures(WireStruct):
+    """One image of a prompt, preprocessed for the model's vision encoder (media/): its
+    pixels as raw bytes of `dtype` in `shape` (C order; no pickle), the family's extra
+    geometry (Qwen2-VL's grid [t, h, w]; else empty), and where it sits in the prompt:
+    positions offset..offset+length-1 are the image's expansion, and those of them that
+    hold the model's image token take the encoder's output rows, in order.
+    `hash`: hex digest of the pixels and geometry, the image's identity for the
+    embedding cache and the prefix cache."""
+
+    hash: str
+    offset: int
+    length: int
+    pixels: bytes
+    shape: list[int]
+    dtype: str = "float32"
+    grid: list[int] = field(default_factory=list)
+
+
 class TokenizedRequest(WireStruct, tag=3):
     rid: str
     input_ids: list[int]
@@ -149,6 +188,7 @@ class TokenizedRequest(WireStruct, tag=3):
     fit_context: bool = False   # max_new_tokens was a default: the scheduler may lower it to
                                 # what the KV pool can hold (chat without max_tokens)
     api: int = 0                # GenerateRequest.api, carried on
+    images: list[ImageFeatures] | None = None   # in prompt order; None: a text prompt
 
 
 # ---- detokenizer -> scheduler --------------------------------------------------------------

@@ -21,8 +21,56 @@ from pathlib import Path
 
 # Hugging Face architecture names zserve implements (models/config.py maps
 # each to its family).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
+TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                      "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True, slots=True)
+class VisionFamily:
+    """A vision-language architecture: the text decoder it wraps (the checkpoint's
+    `text_config` holds its config; this architecture where text_config names none) and
+    the config key of its image token (the placeholder a prompt names an image by)."""
+
+    decoder: str
+    image_token_key: str
+
+
+# Vision-language models: a vision encoder (models/vision/) in front of a text decoder.
+VISION_ARCHITECTURES = {
+    "Sarashina2VisionForCausalLM": VisionFamily("LlamaForCausalLM", "image_token_index"),
+}
+# A text_config is saved as its difference from the decoder config class's defaults
+# (Sarashina2-Vision-8B's names only its vocabulary, context and norm eps): transformers'
+# LlamaConfig defaults fill in the rest.
+_LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+                   "num_hidden_layers": 32, "num_attention_heads": 32,
+                   "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                   "hidden_act": "silu", "tie_word_embeddings": False}
+SUPPORTED_ARCHITECTURES = TEXT_ARCHITECTURES + tuple(VISION_ARCHITECTURES)
+
+
+def vision_architecture(config: dict) -> str | None:
+    """The config's vision-language architecture, or None for a text model."""
+    return next((a for a in config.get("architectures") or [] if a in VISION_ARCHITECTURES),
+                None)
+
+
+def decoder_config(config: dict) -> dict:
+    """The text decoder's config.json: the config itself for a text model; a vision
+    model's text_config, with its architecture and the top-level keys it leaves out
+    (dtype, token ids) filled in."""
+    arch = vision_architecture(config)
+    if arch is None:
+        return config
+    text = dict(config.get("text_config") or {})
+    if not any(a in TEXT_ARCHITECTURES for a in text.get("architectures") or []):
+        text["architectures"] = [VISION_ARCHITECTURES[arch].decoder]
+    for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        if key in config and key not in text:
+            text[key] = config[key]
+    if "LlamaForCausalLM" in text["architectures"]:
+        text = {**_LLAMA_DEFAULTS, **text}
+    return text
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -137,20 +185,26 @@ class ModelFacts:
     num_params: int
     random_weights: bool            # one of our tiny test checkpoints
     num_attention_heads: int = 0    # what --tp-size may split (0: not known, not checked)
+    image_token_id: int | None = None   # a vision-language model's (VISION_ARCHITECTURES)
+                                        # image token; None: the model takes no images
 
 
 def model_facts(path: str) -> ModelFacts:
     """From config.json (the same defaults as models/config.py). Raises
     StartupError when the config lacks what a Llama-family model must say."""
-    config = json.loads((Path(path) / "config.json").read_text())
-    arch = next((a for a in config.get("architectures") or [] if a in SUPPORTED_ARCHITECTURES),
-                str(config.get("architectures")))
+    full = json.loads((Path(path) / "config.json").read_text())
+    vision = vision_architecture(full)
+    config = decoder_config(full)
+    arch = vision or next((a for a in config.get("architectures") or []
+                           if a in SUPPORTED_ARCHITECTURES), str(config.get("architectures")))
     try:
         return ModelFacts(arch, int(config.get("max_position_embeddings", 2048)),
                           config.get("sliding_window") if arch == "MistralForCausalLM" else None,
                           int(config["vocab_size"]), _num_params(config),
                           (Path(path) / RANDOM_WEIGHTS_MARKER).exists(),
-                          int(config["num_attention_heads"]))
+                          int(config["num_attention_heads"]),
+                          None if vision is None else
+                          int(full[VISION_ARCHITECTURES[vision].image_token_key]))
     except KeyError as e:
         raise StartupError(f"--model-path {path}: config.json has no {e.args[0]}") from None
     except (TypeError, ValueError) as e:
@@ -158,7 +212,8 @@ def model_facts(path: str) -> ModelFacts:
 
 
 def _num_params(c: dict) -> int:
-    """Parameters of a Llama-family decoder with this config."""
+    """Parameters of a Llama-family decoder with this config (a vision model's encoder
+    not counted)."""
     hidden, vocab, inter = c["hidden_size"], c["vocab_size"], c["intermediate_size"]
     heads = c["num_attention_heads"]
     head_dim = c.get("head_dim") or hidden // heads

@@ -27,6 +27,7 @@ from the field's type object (`int | None` -> int), not from a string.
 
 import argparse
 import dataclasses
+import os
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -196,6 +197,24 @@ class ServerArgs:
                                    "(with a stack dump in the log).")
     shutdown_timeout: float = _opt(30.0, "On SIGTERM/SIGINT, seconds in-flight requests may "
                                    "take to finish before they are aborted.")
+    # ---- images (README: "Images") ----
+    allowed_local_media_path: str | None = _opt(None, "A directory whose files requests may "
+                                                "name as images (absolute paths or file:// "
+                                                "URLs, symlinks resolved); none outside "
+                                                "it. Default: no local files.")
+    allow_remote_media: bool = _opt(False, "Fetch http(s) image URLs that requests name "
+                                    "(off: a server that fetches any URL it is given can "
+                                    "be made to reach what only it can reach).")
+    media_fetch_timeout: float = _opt(10.0, "Seconds an image URL's fetch may wait for "
+                                      "each read; no read starts after them.")
+    max_image_bytes: int = _opt(20 * 1024 * 1024, "Largest encoded image accepted (inline, "
+                                "file or URL).")
+    max_image_pixels: int = _opt(40_000_000, "Most pixels an image may decode to (width x "
+                                 "height, from its header, before decoding).")
+    max_images_per_request: int = _opt(16, "Most images one prompt may carry.")
+    image_embedding_cache_mb: int = _opt(256, "Memory for image encoder outputs kept by "
+                                         "image hash (least recently used dropped first), "
+                                         "so an image seen again is not encoded again.")
     log_requests: bool = _opt(False, "Log each request's prompt and output (clipped) "
                               "next to its one-line summary.")
     log_level: str = _opt("info", "Log level.",
@@ -229,13 +248,18 @@ class ServerArgs:
         for name in ("port", "max_running_requests", "chunked_prefill_size",
                      "tokenizer_worker_num", "api_server_count", "dp_size", "tp_size",
                      "nnodes", "dist_timeout", "max_request_bytes", "read_timeout",
-                     "int8_activation_batch",
+                     "int8_activation_batch", "media_fetch_timeout", "max_image_bytes",
+                     "max_image_pixels", "max_images_per_request", "image_embedding_cache_mb",
                      "keep_alive_timeout", "send_timeout", "watchdog_timeout"):
             if not getattr(self, name) > 0 or getattr(self, name) == float("inf"):
                 _refuse(f"--{name.replace('_', '-')} must be positive")
         for name in ("max_queued_requests", "request_timeout", "context_length"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 _refuse(f"--{name.replace('_', '-')} must be positive")
+        if self.allowed_local_media_path is not None and \
+                not os.path.isdir(self.allowed_local_media_path):
+            _refuse(f"--allowed-local-media-path {self.allowed_local_media_path}: not a "
+                    f"directory")
         if self.shutdown_timeout < 0:
             _refuse("--shutdown-timeout must not be negative")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:

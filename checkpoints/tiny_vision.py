@@ -1,0 +1,185 @@
+"""Tiny vision-language checkpoints, as tiny.py makes text ones: seeded random weights
+scaled for clear greedy margins, the tiny tokenizer with the family's image tokens, the
+family's image processor config, written as the family's Hugging Face directory.
+
+- "sarashina2_vision": Sarashina2-Vision's layout (SGLang's sarashina2_vision.py):
+  `visual.*` (transformers' Qwen2-VL vision transformer, merger included), `norm.*` (a
+  LayerNorm over the decoder's width), `llm.*` (a Llama causal LM); config.json with
+  text_config, vision_config and the image token ids; Qwen2-VL's preprocessor_config.json.
+  The prompt names an image as <|prefix|><|file|><|suffix|> (the chat template writes that
+  for each image part); <|file|> is the placeholder the server expands.
+
+`reference(out_dir)` builds transformers' own composition of the same weights (the tests'
+oracle): Qwen2VisionTransformerPretrainedModel, nn.LayerNorm, LlamaForCausalLM.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+from checkpoints import tiny
+from wire.model_path import RANDOM_WEIGHTS_MARKER
+
+VISION_FAMILIES = ("sarashina2_vision",)
+IMAGE, IMAGE_START, IMAGE_END = "<|file|>", "<|prefix|>", "<|suffix|>"
+
+# Sarashina2-Vision's prompt shape: "### Human: ... ### Assistant:", each image part as
+# <|prefix|><|file|><|suffix|> where it stands in the message.
+SARASHINA_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '### Human: ' }}"
+    "{% elif message['role'] == 'assistant' %}{{ '### Assistant: ' }}"
+    "{% else %}{{ '### System: ' }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<|prefix|><|file|><|suffix|>' }}"
+    "{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '### Assistant:' }}{% endif %}"
+)
+
+# Small enough for a test, big enough to be a real Qwen2-VL tower: 2 blocks of width 32,
+# 14-pixel patches merged 2 x 2; images resized to 1 to 16 merged tokens (28 x 28 pixels
+# per token).
+VISION_CONFIG = dict(depth=2, embed_dim=32, num_heads=2, mlp_ratio=2, patch_size=14,
+                     spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                     hidden_act="quick_gelu")
+MIN_PIXELS, MAX_PIXELS = 28 * 28, 28 * 28 * 16
+
+
+def _init_vision(module, prefix: str, seed: int) -> None:
+    """tiny.py's rules for the encoder's parameters: matrices (and the patch convolution)
+    LINEAR_GAIN / sqrt(fan_in) in std, norm weights 1 + noise, biases BIAS_SCALE * u."""
+    import torch
+
+    sqrt3 = math.sqrt(3.0)
+    with torch.no_grad():
+        for name, param in sorted(module.named_parameters()):
+            u = tiny._uniform(param.shape, tiny._stable_seed(seed, "vision", prefix + name))
+            if param.dim() >= 2:
+                fan_in = param[0].numel()
+                value = tiny.LINEAR_GAIN * sqrt3 / math.sqrt(fan_in) * u
+            elif name.endswith(".bias") or name == "bias":
+                value = tiny.BIAS_SCALE * u
+            else:
+                value = 1.0 + tiny.NORM_NOISE * u
+            param.copy_(value)
+
+
+def build_sarashina2_vision(out_dir, family: str = "sarashina2_vision",
+                            seed: int = 0) -> pathlib.Path:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import (AutoTokenizer, LlamaForCausalLM, Qwen2VLImageProcessorPil,
+                              Qwen2VLVisionConfig)
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import \
+        Qwen2VisionTransformerPretrainedModel
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tiny.build_tokenizer(out, (IMAGE, IMAGE_START, IMAGE_END), SARASHINA_CHAT_TEMPLATE)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    ids = {t: tok.convert_tokens_to_ids(t)
+           for t in (*tiny.SPECIAL_TOKENS, IMAGE, IMAGE_START, IMAGE_END)}
+    text = tiny._config("llama", len(tok), ids, {})
+    llm = LlamaForCausalLM(text)
+    tiny._init_weights(llm, "llama", seed)
+    vision = Qwen2VLVisionConfig(**VISION_CONFIG, hidden_size=text.hidden_size)
+    visual = Qwen2VisionTransformerPretrainedModel._from_config(vision, dtype=torch.float32)
+    norm = torch.nn.LayerNorm(text.hidden_size)
+    _init_vision(visual, "visual.", seed)
+    _init_vision(norm, "norm.", seed)
+    state = {**{f"visual.{k}": v for k, v in visual.state_dict().items()},
+             **{f"norm.{k}": v for k, v in norm.state_dict().items()},
+             **{f"llm.{k}": v for k, v in llm.state_dict().items()}}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = {"architectures": ["Sarashina2VisionForCausalLM"],
+              "model_type": "sarashina2_vision",
+              "image_token_index": ids[IMAGE], "start_image_token_index": ids[IMAGE_START],
+              "end_image_token_index": ids[IMAGE_END],
+              "text_config": text.to_dict(), "vision_config": vision.to_dict(),
+              "torch_dtype": "float32"}
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": ids[tiny.BOS], "eos_token_id": [ids[tiny.EOS]],
+         "pad_token_id": ids[tiny.PAD]}, indent=2))
+    Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(
+        str(out))
+    (out / RANDOM_WEIGHTS_MARKER).write_text(
+        "zserve's tiny test checkpoint: seeded random weights, its text is gibberish.\n")
+    return out
+
+
+BUILDERS = {"sarashina2_vision": build_sarashina2_vision}
+
+
+class Reference:
+    """transformers' composition of a tiny vision checkpoint's weights (the oracle):
+    `embed(ids, images)` -> inputs_embeds with the images' rows in place of the image
+    tokens (the prompt already expanded), `generate(ids, images, n)` -> greedy ids."""
+
+    def __init__(self, out_dir):
+        import torch
+        from safetensors.torch import load_file
+        from transformers import (AutoImageProcessor, LlamaConfig, LlamaForCausalLM,
+                                  Qwen2VLVisionConfig)
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import \
+            Qwen2VisionTransformerPretrainedModel
+
+        out = pathlib.Path(out_dir)
+        cfg = json.loads((out / "config.json").read_text())
+        state = load_file(str(out / "model.safetensors"))
+        part = lambda p: {k[len(p):]: v for k, v in state.items() if k.startswith(p)}  # noqa: E731
+        text = LlamaConfig(**cfg["text_config"])
+        text._attn_implementation = "eager"
+        self.llm = LlamaForCausalLM(text).eval()
+        self.llm.load_state_dict(part("llm."))
+        vision = Qwen2VLVisionConfig(**cfg["vision_config"])
+        self.visual = Qwen2VisionTransformerPretrainedModel._from_config(
+            vision, dtype=torch.float32).eval()
+        self.visual.load_state_dict(part("visual."))
+        self.norm = torch.nn.LayerNorm(self.llm.config.hidden_size).eval()
+        self.norm.load_state_dict(part("norm."))
+        self.processor = AutoImageProcessor.from_pretrained(str(out))
+        self.image_token = cfg["image_token_index"]
+
+    def image_rows(self, image):
+        import torch
+        with torch.no_grad():
+            p = self.processor(images=[image], return_tensors="pt")
+            out = self.visual(p["pixel_values"], grid_thw=p["image_grid_thw"])
+            return self.norm(out.pooler_output)
+
+    def expand(self, ids: list[int], images) -> list[int]:
+        """The prompt with each placeholder repeated once per image row."""
+        out, rows = [], iter([self.image_rows(im).shape[0] for im in images])
+        for t in ids:
+            out += [t] * next(rows) if t == self.image_token else [t]
+        return out
+
+    def generate(self, ids: list[int], images, max_new_tokens: int
+                 ) -> tuple[list[int], list[float]]:
+        """Greedy ids after the prompt (no EOS stop), and each step's top-1 minus top-2
+        logit margin (tests/reference.py's convention)."""
+        import torch
+        full = self.expand(ids, images)
+        out_ids, margins = [], []
+        with torch.no_grad():
+            x = self.llm.get_input_embeddings()(torch.tensor([full]))
+            if images:
+                rows = torch.cat([self.image_rows(im) for im in images])
+                x[0, torch.tensor(full) == self.image_token] = rows
+            out = self.llm(inputs_embeds=x, use_cache=True)
+            for step in range(max_new_tokens):
+                logits = out.logits[0, -1].float()
+                top2 = torch.topk(logits, 2).values
+                out_ids.append(int(torch.argmax(logits)))
+                margins.append(float(top2[0] - top2[1]))
+                if step + 1 < max_new_tokens:
+                    out = self.llm(input_ids=torch.tensor([[out_ids[-1]]]), cache=out.cache,
+                                   use_cache=True)
+        return out_ids, margins

@@ -1,0 +1,176 @@
+"""Each vision family's image preprocessing, torch-free, as its checkpoint's
+preprocessor_config.json says (to the letter: the resampling filter, rescale and normalize
+in transformers' dtypes and order, so the pixels equal transformers' PIL-backend processor's),
+and what one image becomes in the prompt.
+
+    processor = image_processor(model_dir, architecture, image_token_id)  # None: text only
+    out = processor.process(rgb_image)             # ProcessedImage
+    out.pixels    # float32 array for the encoder (models/vision/)
+    out.grid      # the family's geometry (Qwen2-VL: [t, h, w]); [] where there is none
+    out.tokens    # the ids that replace the image's one placeholder in the prompt
+
+A prompt names each image by one placeholder, the config's image token; `expand` replaces
+the placeholders, in order, by the images' tokens. The encoder's output rows go to the
+positions of the expansion that hold the image token (ImageFeatures in wire/messages.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from media.sources import MediaError
+
+# The image processors' defaults (transformers' OPENAI_CLIP_MEAN / _STD), for configs
+# that leave them out.
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(slots=True)
+class ProcessedImage:
+    pixels: np.ndarray
+    grid: list[int]
+    tokens: list[int]
+
+    def digest(self) -> str:
+        """The image's identity: its pixels as the encoder sees them, and their geometry."""
+        h = hashlib.sha256(np.ascontiguousarray(self.pixels).tobytes())
+        h.update(repr((self.pixels.shape, str(self.pixels.dtype), self.grid)).encode())
+        return h.hexdigest()[:32]
+
+
+def read_processor_config(model_dir: str | Path) -> dict:
+    """preprocessor_config.json, or (transformers 5's format) processor_config.json's
+    "image_processor"; {} where there is neither."""
+    root = Path(model_dir)
+    if (root / "preprocessor_config.json").is_file():
+        return json.loads((root / "preprocessor_config.json").read_text())
+    if (root / "processor_config.json").is_file():
+        return json.loads((root / "processor_config.json").read_text()).get(
+            "image_processor", {})
+    return {}
+
+
+class Rescaled:
+    """What every family shares: resample, rescale, normalize, as transformers' PIL
+    backend does them (uint8 resize in Pillow; rescale in float64, then float32;
+    (x - mean) / std in float32)."""
+
+    def __init__(self, cfg: dict, mean=CLIP_MEAN, std=CLIP_STD):
+        self.resample = Image.Resampling(cfg.get("resample", Image.Resampling.BICUBIC))
+        self.do_resize = cfg.get("do_resize", True)
+        self.do_rescale = cfg.get("do_rescale", True)
+        self.rescale_factor = cfg.get("rescale_factor", 1 / 255)
+        self.do_normalize = cfg.get("do_normalize", True)
+        self.mean = np.array(cfg.get("image_mean", mean), dtype=np.float32)
+        self.std = np.array(cfg.get("image_std", std), dtype=np.float32)
+
+    def to_array(self, image: Image.Image) -> np.ndarray:
+        """An RGB image (resized already) -> [3, H, W] float32, rescaled and normalized."""
+        x = np.asarray(image).transpose(2, 0, 1)
+        if self.do_rescale:
+            x = (x.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        if self.do_normalize:
+            x = x.astype(np.float32, copy=False)
+            x = (x - self.mean[:, None, None]) / self.std[:, None, None]
+        return x.astype(np.float32, copy=False)
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int,
+                 max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's: both sides multiples of `factor`, the area within [min, max] pixels,
+    the aspect ratio kept as closely as that allows."""
+    if max(height, width) / min(height, width) > 200:
+        raise MediaError(f"The image's aspect ratio ({width} x {height}) is more than 200:1.")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+class Qwen2VLImages(Rescaled):
+    """Qwen2-VL's image processor (Sarashina2-Vision uses it): resize to multiples of
+    patch * merge within the pixel bounds, then patches of [C, T, P, P] flattened in the
+    merge-block order the vision transformer expects; one image token per merge block."""
+
+    def __init__(self, cfg: dict, image_token_id: int):
+        super().__init__(cfg)
+        size = cfg.get("size") or {}
+        self.min_pixels = cfg.get("min_pixels") or size.get("shortest_edge") or 56 * 56
+        self.max_pixels = cfg.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280
+        self.patch = cfg.get("patch_size", 14)
+        self.temporal = cfg.get("temporal_patch_size", 2)
+        self.merge = cfg.get("merge_size", 2)
+        self.image_token_id = image_token_id
+
+    def process(self, image: Image.Image) -> ProcessedImage:
+        width, height = image.size
+        if self.do_resize:
+            h, w = smart_resize(height, width, self.patch * self.merge, self.min_pixels,
+                                self.max_pixels)
+            image = image.resize((w, h), resample=self.resample)
+        x = self.to_array(image)
+        c, h, w = x.shape
+        p, m, t = self.patch, self.merge, self.temporal
+        if h % (p * m) or w % (p * m):
+            raise MediaError(f"The image is {w} x {h} pixels, not a multiple of {p * m}.")
+        gh, gw = h // p, w // p
+        patches = x.reshape(c, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+        patches = np.broadcast_to(patches[:, :, :, :, :, None],
+                                  (*patches.shape[:5], t, p, p))
+        pixels = np.ascontiguousarray(patches.reshape(gh * gw, c * t * p * p))
+        return ProcessedImage(pixels, [1, gh, gw],
+                              [self.image_token_id] * (gh * gw // (m * m)))
+
+
+# Architecture (wire.model_path.VISION_ARCHITECTURES) -> its image processor
+PROCESSORS = {"Sarashina2VisionForCausalLM": Qwen2VLImages}
+
+
+def image_processor(model_dir: str | Path, architecture: str, image_token_id: int | None):
+    """The model's image processor (ModelFacts' architecture and image token: config.json
+    is the launcher's to read), or None for a model that takes no images."""
+    if image_token_id is None:
+        return None
+    return PROCESSORS[architecture](read_processor_config(model_dir), image_token_id)
+
+
+def placeholders(ids: list[int], images: int, image_token_id: int) -> list[int]:
+    """Where the prompt's image placeholders are; MediaError unless there are `images`."""
+    where = [i for i, t in enumerate(ids) if t == image_token_id]
+    if len(where) != images:
+        raise MediaError(f"The prompt has {len(where)} image placeholder(s) (token "
+                         f"{image_token_id}) but the request has {images} image(s).")
+    return where
+
+
+def expand(ids: list[int], images: list[ProcessedImage], image_token_id: int
+           ) -> tuple[list[int], list[tuple[int, int]]]:
+    """Replace the prompt's placeholders (ids equal to image_token_id), in order, by each
+    image's tokens. Returns the new ids and each image's (offset, length) in them.
+    MediaError when the placeholders and the images differ in number."""
+    where = placeholders(ids, len(images), image_token_id)
+    out: list[int] = []
+    spans = []
+    start = 0
+    for pos, image in zip(where, images):
+        out += ids[start:pos]
+        spans.append((len(out), len(image.tokens)))
+        out += image.tokens
+        start = pos + 1
+    out += ids[start:]
+    return out, spans

@@ -1,0 +1,142 @@
+"""media/: where images may come from and what they may cost (sources.py), and the image
+processors' pixels against transformers' own processors (processors.py)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from media.processors import Qwen2VLImages, expand, read_processor_config
+from media.sources import MediaError, MediaPolicy, decode_image, load_image, read_bytes
+
+
+def image(w: int, h: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "RGBA": 4}[mode]
+    return Image.fromarray(rng.integers(0, 256, (h, w, channels), dtype=np.uint8), mode)
+
+
+def png(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header says width x height and whose pixel data is a few bytes: what a
+    decompression bomb's first bytes look like."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + \
+            struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) +
+            chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b""))
+
+
+# ---- sources ------------------------------------------------------------------------------
+
+def test_inline_base64_and_data_uri_decode_to_the_same_rgb_image():
+    img = image(30, 20)
+    data = png(img)
+    for source in (b64(data), f"data:image/png;base64,{b64(data)}"):
+        got = load_image(source, MediaPolicy())
+        assert got.mode == "RGB" and got.size == (30, 20)
+        assert np.array_equal(np.asarray(got), np.asarray(img))
+
+
+def test_transparency_is_composited_onto_white():
+    img = Image.new("RGBA", (4, 4), (10, 20, 30, 0))          # fully transparent
+    got = load_image(b64(png(img)), MediaPolicy())
+    assert np.asarray(got).tolist() == [[[255, 255, 255]] * 4] * 4
+
+
+@pytest.mark.parametrize("source,message", [
+    ("not base64 at all!", "neither valid base64"),
+    ("data:text/plain;base64,aGVsbG8=", "data:image/<type>;base64"),
+    ("", "non-empty string"),
+])
+def test_malformed_references_are_media_errors(source, message):
+    with pytest.raises(MediaError, match=message):
+        read_bytes(source, MediaPolicy())
+
+
+def test_truncated_png_is_a_media_error():
+    data = png(image(64, 64))
+    with pytest.raises(MediaError, match="cannot be decoded"):
+        decode_image(data[:len(data) // 2], MediaPolicy())
+
+
+def test_a_huge_header_is_refused_before_decoding():
+    with pytest.raises(MediaError, match="more than the limit of 40000000 pixels"):
+        decode_image(png_header_only(20000, 20000), MediaPolicy())
+
+
+def test_byte_limit_applies_to_inline_data():
+    data = png(image(64, 64))
+    with pytest.raises(MediaError, match="max-image-bytes"):
+        read_bytes(b64(data), MediaPolicy(max_bytes=len(data) // 2))
+
+
+def test_local_files_only_inside_the_allowed_directory(tmp_path):
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "cat.png").write_bytes(png(image(8, 8)))
+    (tmp_path / "secret.png").write_bytes(png(image(8, 8, seed=1)))
+    (allowed / "link.png").symlink_to(tmp_path / "secret.png")
+    policy = MediaPolicy(allowed_local_path=str(allowed))
+    assert load_image(str(allowed / "cat.png"), policy).size == (8, 8)
+    assert load_image(f"file://{allowed / 'cat.png'}", policy).size == (8, 8)
+    for outside in (str(tmp_path / "secret.png"), str(allowed / "link.png"),
+                    f"{allowed}/../secret.png", f"file://{tmp_path / 'secret.png'}"):
+        with pytest.raises(MediaError, match="outside the directory"):
+            read_bytes(outside, policy)
+    with pytest.raises(MediaError, match="allowed-local-media-path"):
+        read_bytes(str(allowed / "cat.png"), MediaPolicy())
+    with pytest.raises(MediaError, match="does not exist"):
+        read_bytes(str(allowed / "nope.png"), policy)
+
+
+def test_urls_only_with_the_flag():
+    with pytest.raises(MediaError, match="allow-remote-media"):
+        read_bytes("http://127.0.0.1:9/cat.png", MediaPolicy())
+    with pytest.raises(MediaError, match="could not be fetched"):      # nothing listens on 9
+        read_bytes("http://127.0.0.1:9/cat.png", MediaPolicy(allow_remote=True, timeout=2))
+
+
+# ---- processors: the pixels transformers' own (PIL) processor makes -----------------------
+
+@pytest.mark.parametrize("size", [(90, 60), (20, 20), (300, 40), (33, 97), (500, 500)])
+@pytest.mark.parametrize("mode", ["RGB", "RGBA"])
+def test_qwen2_vl_pixels_equal_transformers(size, mode, tmp_path):
+    from transformers import Qwen2VLImageProcessorPil
+    hf = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 16)
+    hf.save_pretrained(str(tmp_path))
+    ours = Qwen2VLImages(read_processor_config(tmp_path), image_token_id=7)
+    img = image(*size, mode=mode)
+    want = hf(images=[img], return_tensors="np")
+    got = ours.process(load_image(b64(png(img)), MediaPolicy()))
+    assert got.grid == want["image_grid_thw"][0].tolist()
+    assert np.array_equal(got.pixels, want["pixel_values"])      # same ops, same dtypes
+    t, h, w = got.grid
+    assert got.tokens == [7] * (t * h * w // 4)
+
+
+def test_expand_places_each_image_at_its_placeholder():
+    class Processed:                    # what expand reads of a ProcessedImage
+        def __init__(self, n):
+            self.tokens = [9] * n
+    ids, spans = expand([1, 9, 2, 3, 9, 4], [Processed(3), Processed(2)], 9)
+    assert ids == [1, 9, 9, 9, 2, 3, 9, 9, 4]
+    assert spans == [(1, 3), (6, 2)]
+    with pytest.raises(MediaError, match="2 image placeholder.*1 image"):
+        expand([1, 9, 9], [Processed(1)], 9)
