@@ -83,10 +83,6 @@ def resolve_args(args: ServerArgs) -> ServerConfig:
         # RoPE is defined (and its table built) for the model's positions only.
         raise StartupError(f"--context-length {context} is longer than the model's "
                            f"max_position_embeddings ({facts.max_position_embeddings})")
-    if facts.image_token_id is not None and args.tp_size > 1:
-        raise StartupError(f"--tp-size {args.tp_size}: {facts.architecture} (a vision-language "
-                           f"model) runs on one rank for now; use --tp-size 1 (--dp-size "
-                           f"replicates it)")
     if args.tp_size > facts.num_attention_heads > 0:
         raise StartupError(f"--tp-size {args.tp_size}: the model has only "
                            f"{facts.num_attention_heads} attention heads to split")

@@ -9,8 +9,12 @@ family's image processor config, written as the family's Hugging Face directory.
   The prompt names an image as <|prefix|><|file|><|suffix|> (the chat template writes that
   for each image part); <|file|> is the placeholder the server expands.
 
-`reference(out_dir)` builds transformers' own composition of the same weights (the tests'
-oracle): Qwen2VisionTransformerPretrainedModel, nn.LayerNorm, LlamaForCausalLM.
+- "llava": transformers' own LlavaForConditionalGeneration (a CLIP tower, the projector, a
+  Llama decoder) and LlavaProcessor, saved by them; <image> is the placeholder.
+
+`reference(out_dir)` is the tests' oracle: transformers' LlavaForConditionalGeneration for
+LLaVA; for Sarashina2-Vision (no transformers class) transformers' own composition of the
+same weights: Qwen2VisionTransformerPretrainedModel, nn.LayerNorm, LlamaForCausalLM.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ import pathlib
 from checkpoints import tiny
 from wire.model_path import RANDOM_WEIGHTS_MARKER
 
-VISION_FAMILIES = ("sarashina2_vision",)
+VISION_FAMILIES = ("sarashina2_vision", "llava")
 IMAGE, IMAGE_START, IMAGE_END = "<|file|>", "<|prefix|>", "<|suffix|>"
+LLAVA_IMAGE = "<image>"
 
 # Sarashina2-Vision's prompt shape: "### Human: ... ### Assistant:", each image part as
 # <|prefix|><|file|><|suffix|> where it stands in the message.
@@ -40,6 +45,23 @@ SARASHINA_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '### Assistant:' }}{% endif %}"
 )
+
+# LLaVA-1.5's prompt shape, each image part as <image> where it stands in the message.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ 'USER: ' }}{% else %}{{ 'ASSISTANT: ' }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<image>\n' }}"
+    "{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ ' ' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+# A 2-layer CLIP tower of width 32 on 56 x 56 crops of 14-pixel patches: 16 image tokens.
+CLIP_CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=2, image_size=56, patch_size=14, projection_dim=16,
+                   hidden_act="quick_gelu")
 
 # Small enough for a test, big enough to be a real Qwen2-VL tower: 2 blocks of width 32,
 # 14-pixel patches merged 2 x 2; images resized to 1 to 16 merged tokens (28 x 28 pixels
@@ -114,7 +136,92 @@ def build_sarashina2_vision(out_dir, family: str = "sarashina2_vision",
     return out
 
 
-BUILDERS = {"sarashina2_vision": build_sarashina2_vision}
+def build_llava(out_dir, family: str = "llava", seed: int = 0) -> pathlib.Path:
+    """transformers' own LlavaForConditionalGeneration and LlavaProcessor, saved by them."""
+    import torch
+    from transformers import (AutoTokenizer, CLIPImageProcessorPil, CLIPVisionConfig,
+                              LlamaForCausalLM, LlavaConfig, LlavaForConditionalGeneration,
+                              LlavaProcessor)
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tiny.build_tokenizer(out, (LLAVA_IMAGE,), LLAVA_CHAT_TEMPLATE)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    ids = {t: tok.convert_tokens_to_ids(t) for t in (*tiny.SPECIAL_TOKENS, LLAVA_IMAGE)}
+    text = tiny._config("llama", len(tok), ids, {})
+    llm = LlamaForCausalLM(text)
+    tiny._init_weights(llm, "llama", seed)
+    config = LlavaConfig(vision_config=CLIPVisionConfig(**CLIP_CONFIG), text_config=text,
+                         image_token_id=ids[LLAVA_IMAGE], image_seq_length=16)
+    model = LlavaForConditionalGeneration(config).to(torch.float32).eval()
+    _init_vision(model.model.vision_tower, "vision_tower.", seed)
+    _init_vision(model.model.multi_modal_projector, "multi_modal_projector.", seed)
+    model.model.language_model.load_state_dict(
+        {k.removeprefix("model."): v for k, v in llm.state_dict().items()
+         if k.startswith("model.")})
+    model.lm_head.load_state_dict(llm.lm_head.state_dict())
+    model.generation_config.eos_token_id = [ids[tiny.EOS]]
+    model.save_pretrained(str(out), safe_serialization=True)
+    images = CLIPImageProcessorPil(size={"shortest_edge": 56},
+                                   crop_size={"height": 56, "width": 56})
+    LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=14,
+                   vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                   chat_template=LLAVA_CHAT_TEMPLATE).save_pretrained(str(out))
+    (out / RANDOM_WEIGHTS_MARKER).write_text(
+        "zserve's tiny test checkpoint: seeded random weights, its text is gibberish.\n")
+    return out
+
+
+BUILDERS = {"sarashina2_vision": build_sarashina2_vision, "llava": build_llava}
+
+
+def reference(out_dir):
+    """The oracle for a tiny vision checkpoint: transformers' model of its family."""
+    arch = json.loads((pathlib.Path(out_dir) / "config.json").read_text())["architectures"][0]
+    return LlavaReference(out_dir) if arch == "LlavaForConditionalGeneration" \
+        else Reference(out_dir)
+
+
+def greedy_loop(model, out, max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy ids over transformers' KV cache from a first forward's output (no EOS stop),
+    with each step's top-1 minus top-2 logit margin (tests/reference.py's convention)."""
+    import torch
+    ids, margins = [], []
+    for step in range(max_new_tokens):
+        logits = out.logits[0, -1].float()
+        top2 = torch.topk(logits, 2).values
+        ids.append(int(torch.argmax(logits)))
+        margins.append(float(top2[0] - top2[1]))
+        if step + 1 < max_new_tokens:
+            out = model(input_ids=torch.tensor([[ids[-1]]]), cache=out.cache, use_cache=True)
+    return ids, margins
+
+
+class LlavaReference:
+    """transformers' LlavaForConditionalGeneration and its processor, as saved."""
+
+    def __init__(self, out_dir):
+        from transformers import AutoProcessor, LlavaForConditionalGeneration
+        self.model = LlavaForConditionalGeneration.from_pretrained(
+            str(out_dir), attn_implementation="eager").eval()
+        self.processor = AutoProcessor.from_pretrained(str(out_dir))
+        self.image_token = self.model.config.image_token_id
+
+    def expand(self, ids: list[int], images) -> list[int]:
+        n = self.model.config.image_seq_length
+        return [x for t in ids for x in ([t] * n if t == self.image_token else [t])]
+
+    def generate(self, ids: list[int], images, max_new_tokens: int
+                 ) -> tuple[list[int], list[float]]:
+        import torch
+        full = self.expand(ids, images)
+        with torch.no_grad():
+            kw = {}
+            if images:
+                kw["pixel_values"] = self.processor.image_processor(
+                    images=images, return_tensors="pt")["pixel_values"]
+            out = self.model(input_ids=torch.tensor([full]), use_cache=True, **kw)
+            return greedy_loop(self.model, out, max_new_tokens)
 
 
 class Reference:
@@ -167,19 +274,10 @@ class Reference:
         logit margin (tests/reference.py's convention)."""
         import torch
         full = self.expand(ids, images)
-        out_ids, margins = [], []
         with torch.no_grad():
             x = self.llm.get_input_embeddings()(torch.tensor([full]))
             if images:
                 rows = torch.cat([self.image_rows(im) for im in images])
                 x[0, torch.tensor(full) == self.image_token] = rows
             out = self.llm(inputs_embeds=x, use_cache=True)
-            for step in range(max_new_tokens):
-                logits = out.logits[0, -1].float()
-                top2 = torch.topk(logits, 2).values
-                out_ids.append(int(torch.argmax(logits)))
-                margins.append(float(top2[0] - top2[1]))
-                if step + 1 < max_new_tokens:
-                    out = self.llm(input_ids=torch.tensor([[out_ids[-1]]]), cache=out.cache,
-                                   use_cache=True)
-        return out_ids, margins
+            return greedy_loop(self.llm, out, max_new_tokens)

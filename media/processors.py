@@ -58,6 +58,15 @@ def read_processor_config(model_dir: str | Path) -> dict:
     return {}
 
 
+def read_processor_settings(model_dir: str | Path) -> dict:
+    """processor_config.json's own settings (LlavaProcessor's patch_size, feature strategy,
+    additional tokens), without the image processor's; {} where there is none."""
+    path = Path(model_dir) / "processor_config.json"
+    if not path.is_file():
+        return {}
+    return {k: v for k, v in json.loads(path.read_text()).items() if k != "image_processor"}
+
+
 class Rescaled:
     """What every family shares: resample, rescale, normalize, as transformers' PIL
     backend does them (uint8 resize in Pillow; rescale in float64, then float32;
@@ -72,9 +81,10 @@ class Rescaled:
         self.mean = np.array(cfg.get("image_mean", mean), dtype=np.float32)
         self.std = np.array(cfg.get("image_std", std), dtype=np.float32)
 
-    def to_array(self, image: Image.Image) -> np.ndarray:
-        """An RGB image (resized already) -> [3, H, W] float32, rescaled and normalized."""
-        x = np.asarray(image).transpose(2, 0, 1)
+    def to_array(self, image: Image.Image | np.ndarray) -> np.ndarray:
+        """An RGB image (resized already), or its [3, H, W] uint8 array -> [3, H, W] float32,
+        rescaled and normalized."""
+        x = image if isinstance(image, np.ndarray) else np.asarray(image).transpose(2, 0, 1)
         if self.do_rescale:
             x = (x.astype(np.float64) * self.rescale_factor).astype(np.float32)
         if self.do_normalize:
@@ -137,8 +147,67 @@ class Qwen2VLImages(Rescaled):
                               [self.image_token_id] * (gh * gw // (m * m)))
 
 
+class ClipImages(Rescaled):
+    """CLIP's image processor (LLaVA's; LlavaImageProcessor adds do_pad): optionally pad to
+    a square in the mean colour, resize the shortest edge, center-crop to the crop size
+    (zero-padding what the image does not cover), one fixed-size crop per image. Its
+    tokens: LlavaProcessor's count, (crop / patch_size)^2 + num_additional_image_tokens,
+    less the class token under the "default" feature strategy (processor_config.json)."""
+
+    def __init__(self, cfg: dict, image_token_id: int, processor: dict):
+        super().__init__(cfg)
+        size, crop = cfg.get("size") or {}, cfg.get("crop_size") or {}
+        self.shortest = size.get("shortest_edge")
+        self.square = (size.get("height"), size.get("width")) if "height" in size else None
+        self.do_crop = cfg.get("do_center_crop", True)
+        self.crop = (crop.get("height", 224), crop.get("width", 224))
+        self.do_pad = cfg.get("do_pad", False)
+        patch = processor.get("patch_size") or 14
+        rows = (self.crop[0] // patch) * (self.crop[1] // patch) + \
+            processor.get("num_additional_image_tokens", 1) - \
+            (processor.get("vision_feature_select_strategy", "default") == "default")
+        self.tokens = [image_token_id] * rows
+        self.image_token_id = image_token_id
+
+    def process(self, image: Image.Image) -> ProcessedImage:
+        if self.do_pad and image.width != image.height:
+            side = max(image.size)
+            color = tuple(int(m * 255) for m in self.mean)
+            square = Image.new("RGB", (side, side), color)
+            square.paste(image, ((side - image.width) // 2, (side - image.height) // 2))
+            image = square
+        if self.do_resize:
+            if self.square is not None:
+                h, w = self.square
+            else:           # the shortest edge to `shortest`, the other in proportion (floor)
+                short, long = sorted((image.height, image.width))
+                new_short, new_long = self.shortest, int(self.shortest * long / short)
+                h, w = ((new_long, new_short) if image.width <= image.height
+                        else (new_short, new_long))
+            image = image.resize((w, h), resample=self.resample)
+        x = np.asarray(image).transpose(2, 0, 1)
+        if self.do_crop:
+            x = center_crop(x, *self.crop)
+        return ProcessedImage(self.to_array(x), [], list(self.tokens))
+
+
+def center_crop(x: np.ndarray, height: int, width: int) -> np.ndarray:
+    """transformers' center_crop of a [C, H, W] array: the middle height x width, zero-padded
+    (centred, the extra pixel after) where the image is smaller."""
+    c, h, w = x.shape
+    top, left = (h - height) // 2, (w - width) // 2
+    if top >= 0 and left >= 0:
+        return x[:, top:top + height, left:left + width]
+    out = np.zeros((c, max(h, height), max(w, width)), dtype=x.dtype)
+    pt, pl = math.ceil((out.shape[1] - h) / 2), math.ceil((out.shape[2] - w) / 2)
+    out[:, pt:pt + h, pl:pl + w] = x
+    top, left = (out.shape[1] - height) // 2, (out.shape[2] - width) // 2
+    return out[:, top:top + height, left:left + width]
+
+
 # Architecture (wire.model_path.VISION_ARCHITECTURES) -> its image processor
-PROCESSORS = {"Sarashina2VisionForCausalLM": Qwen2VLImages}
+PROCESSORS = {"Sarashina2VisionForCausalLM": Qwen2VLImages,
+              "LlavaForConditionalGeneration": ClipImages}
 
 
 def image_processor(model_dir: str | Path, architecture: str, image_token_id: int | None):
@@ -146,7 +215,11 @@ def image_processor(model_dir: str | Path, architecture: str, image_token_id: in
     is the launcher's to read), or None for a model that takes no images."""
     if image_token_id is None:
         return None
-    return PROCESSORS[architecture](read_processor_config(model_dir), image_token_id)
+    kind = PROCESSORS[architecture]
+    if kind is ClipImages:
+        return kind(read_processor_config(model_dir), image_token_id,
+                    read_processor_settings(model_dir))
+    return kind(read_processor_config(model_dir), image_token_id)
 
 
 def placeholders(ids: list[int], images: int, image_token_id: int) -> list[int]:

@@ -203,10 +203,8 @@ class CausalLM(nn.Module):
         # Built on the CPU even when the module is built on `meta`; load_model moves and casts it.
         self.register_buffer("cos_sin", rope_cos_sin(config, device="cpu"), persistent=False)
         self.fast = None        # a FastDecode (fast_decode.py), set by load_model where it applies
-        # A vision-language model's image encoder (models/vision/), else None.
-        if config.vision_architecture is not None and self.tp is not None:
-            raise ValueError(f"{config.vision_architecture} does not run under tensor "
-                             f"parallelism yet: use --tp-size 1")
+        # A vision-language model's image encoder (models/vision/), else None: whole on
+        # every rank (small next to the decoder), run by rank 0 alone (runner.py).
         self.vision = build_encoder(config)
 
     @torch.inference_mode()

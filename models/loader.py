@@ -254,22 +254,23 @@ def _load_safetensors(model_dir: Path, config: ModelConfig, params: dict[str, to
     filled, unexpected = set(), []
     for path in _safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
-            for key in f.keys():
+            for stored in f.keys():
+                key = names.canonical(stored)
                 if key.endswith("rotary_emb.inv_freq"):        # recomputed, not loaded
                     continue
                 if key == f"{names.head}.weight" and config.tie_word_embeddings:
                     continue                                    # a redundant copy of the embedding
                 if key not in targets:
-                    unexpected.append(key)
+                    unexpected.append(stored)
                     continue
                 name, rows, sel = targets[key]
-                dst, src = params[name][rows], f.get_slice(key)
+                dst, src = params[name][rows], f.get_slice(stored)
                 want = tuple(dst.shape) if sel is None else sel.full_shape(tuple(dst.shape))
                 if want != tuple(src.get_shape()):
                     raise ValueError(f"{path.name}: {key} has shape {tuple(src.get_shape())}, "
                                      f"expected {want} for {config.architecture}")
                 # copy_ casts to the dtype and moves to the device
-                dst.copy_(f.get_tensor(key) if sel is None else _read_selection(src, sel))
+                dst.copy_(f.get_tensor(stored) if sel is None else _read_selection(src, sel))
                 filled.add(key)
     missing = sorted(targets.keys() - filled)
     if missing or unexpected:

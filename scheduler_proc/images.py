@@ -73,8 +73,8 @@ class ImageEmbedder:
         if got is not None:
             self.cache.move_to_end(image.hash)
             return got
-        pixels = torch.from_numpy(np.frombuffer(image.pixels, dtype=np.float32)
-                                  .reshape(image.shape))
+        pixels = torch.from_numpy(np.frombuffer(image.pixels, dtype=np.float32)  # a copy:
+                                  .reshape(image.shape).copy())                # writable
         out = self.encoder(pixels.to(self.device, self.dtype), list(image.grid))
         self.encoded += 1
         size = out.numel() * out.element_size()

@@ -51,6 +51,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import psutil
 import torch
 
@@ -194,11 +195,11 @@ class ModelRunner:
         request table, on the runner's device). Logprobs, when requested, are appended to
         req.pending_logprobs / req.input_logprobs."""
         plan, scored = self.plan(segments)
+        embeds = self.images.step_embeds(segments) if self.images is not None else None
         if self.tp.size == 1:
-            embeds = self.images.step_embeds(segments) if self.images is not None else None
             logits = self.execute(plan, req_to_token, self._scorer(scored), embeds)
         else:
-            logits = self._execute_shared(plan, req_to_token, scored)
+            logits = self._execute_shared(plan, req_to_token, scored, embeds)
         if logits is None:
             return []
         return sample_isolated(logits, [s.req for s in segments if s.sample], self.eos_ids)
@@ -276,15 +277,21 @@ class ModelRunner:
         return score
 
     def _execute_shared(self, plan: StepPlan, req_to_token: torch.Tensor,
-                        scored: list[tuple[Req, int, int]]) -> torch.Tensor | None:
+                        scored: list[tuple[Req, int, int]],
+                        embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+                        ) -> torch.Tensor | None:
         """Rank 0 under tensor parallelism: broadcast the plan (with the table writes since
-        the last one), execute it with the followers. A failure inside is a TPFault (fatal);
-        one in rank 0's own scoring is kept until every collective of the step is done,
-        then raised as on one rank (it ends the step's requests)."""
+        the last one, and the image rows rank 0's encoder made), execute it with the
+        followers. A failure inside is a TPFault (fatal); one in rank 0's own scoring is
+        kept until every collective of the step is done, then raised as on one rank (it
+        ends the step's requests)."""
         if self.table_log is None:
             raise RuntimeError("tensor-parallel rank 0 runs a step before share_table")
         plan.table_writes = list(self.table_log)
         self.table_log.clear()              # in place: it is the ReqToToken's log too
+        if embeds is not None:
+            plan.embed_rows = embeds[0].tolist()
+            plan.embed_values = embeds[1].float().cpu().numpy().tobytes()
         score_error: list[Exception] = []
         scorer = self._scorer(scored)
 
@@ -296,12 +303,25 @@ class ModelRunner:
                     score_error.append(e)
         try:
             self.tp.broadcast_bytes(encode(plan))
-            logits = self.execute(plan, req_to_token, score)
+            logits = self.execute(plan, req_to_token, score, embeds)
         except Exception as e:
             raise TPFault(f"tensor-parallel step failed on rank 0: {e!r}") from e
         if score_error:
             raise score_error[0]
         return logits
+
+
+def plan_embeds(plan: StepPlan, device: torch.device, hidden: int
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A follower's copy of the image rows rank 0 put in the plan (execute's embeds)."""
+    if not plan.embed_rows:
+        return None
+    values = np.frombuffer(plan.embed_values, dtype=np.float32)
+    if values.size != len(plan.embed_rows) * hidden:
+        raise ValueError(f"a plan's image rows hold {values.size} values, not "
+                         f"{len(plan.embed_rows)} x {hidden}")
+    return (torch.tensor(plan.embed_rows, dtype=torch.int64, device=device),
+            torch.from_numpy(values.reshape(-1, hidden).copy()).to(device))
 
 
 def _empty_plan(stop: bool = False) -> StepPlan:

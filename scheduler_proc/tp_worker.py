@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 
 from scheduler_proc.pool import ReqToToken
-from scheduler_proc.runner import ModelRunner
+from scheduler_proc.runner import ModelRunner, plan_embeds
 from models.distributed import TPFault
 from wire.codec import TP_FOLLOWER, DecodeError, decode
 from wire.messages import StepPlan, TPInit
@@ -74,7 +74,8 @@ def _step(runner: ModelRunner, table: ReqToToken, watchdog) -> bool:
         return False
     for w in plan.table_writes:
         table.write(w.row, w.start, w.slots)
-    runner.execute(plan, table.table)
+    runner.execute(plan, table.table,
+                   embeds=plan_embeds(plan, runner.device, runner.model.config.hidden_size))
     return True
 
 

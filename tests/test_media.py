@@ -106,6 +106,60 @@ def test_local_files_only_inside_the_allowed_directory(tmp_path):
         read_bytes(str(allowed / "nope.png"), policy)
 
 
+@pytest.fixture
+def http_images():
+    """A local HTTP server: /cat.png (an image), /big (more bytes than allowed below),
+    /slow (a byte every 0.3 s), /redirect-file (a redirect to a file: URL)."""
+    import http.server
+    import threading
+    import time as clock
+
+    body = png(image(12, 10))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/redirect-file":
+                self.send_response(302)
+                self.send_header("Location", "file:///etc/passwd")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.end_headers()
+            if self.path == "/cat.png":
+                self.wfile.write(body)
+            elif self.path == "/big":
+                self.wfile.write(b"x" * 5000)
+            elif self.path == "/slow":
+                try:
+                    for _ in range(40):
+                        self.wfile.write(b"x")
+                        self.wfile.flush()
+                        clock.sleep(0.3)
+                except OSError:
+                    pass
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_urls_are_fetched_within_limits_once_allowed(http_images):
+    policy = MediaPolicy(allow_remote=True, timeout=1.0, max_bytes=4096)
+    assert load_image(f"{http_images}/cat.png", policy).size == (12, 10)
+    with pytest.raises(MediaError, match="max-image-bytes"):
+        read_bytes(f"{http_images}/big", policy)
+    # Each read gets a byte in time; the fetch as a whole does not (12 s of bytes).
+    with pytest.raises(MediaError, match="media-fetch-timeout"):
+        read_bytes(f"{http_images}/slow", policy)
+    with pytest.raises(MediaError, match="not allowed|outside http"):
+        read_bytes(f"{http_images}/redirect-file", policy)
+
+
 def test_urls_only_with_the_flag():
     with pytest.raises(MediaError, match="allow-remote-media"):
         read_bytes("http://127.0.0.1:9/cat.png", MediaPolicy())
@@ -140,3 +194,27 @@ def test_expand_places_each_image_at_its_placeholder():
     assert spans == [(1, 3), (6, 2)]
     with pytest.raises(MediaError, match="2 image placeholder.*1 image"):
         expand([1, 9, 9], [Processed(1)], 9)
+
+
+@pytest.mark.parametrize("size", [(90, 60), (20, 20), (300, 40), (33, 97), (56, 56)])
+@pytest.mark.parametrize("kind", ["clip", "llava_pad"])
+def test_clip_pixels_equal_transformers(size, kind, tmp_path):
+    from transformers import CLIPImageProcessorPil, LlavaImageProcessorPil
+    from media.processors import ClipImages
+    if kind == "clip":
+        hf = CLIPImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56,
+                                                                           "width": 56})
+    else:                   # pad to a square in the mean colour first, then no crop needed
+        hf = LlavaImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 48,
+                                                                            "width": 56},
+                                    do_pad=True)
+    hf.save_pretrained(str(tmp_path))
+    ours = ClipImages(read_processor_config(tmp_path), 5,
+                      {"patch_size": 14, "vision_feature_select_strategy": "default",
+                       "num_additional_image_tokens": 1})
+    img = image(*size)
+    want = hf(images=[img], return_tensors="np")["pixel_values"][0]
+    got = ours.process(load_image(b64(png(img)), MediaPolicy()))
+    assert np.array_equal(got.pixels, want)
+    rows = (hf.crop_size.height // 14) * (hf.crop_size.width // 14)
+    assert got.tokens == [5] * rows and got.grid == []

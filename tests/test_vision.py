@@ -1,6 +1,7 @@
-"""End to end: images in, on the tiny Sarashina2-Vision checkpoint (checkpoints/tiny_vision.py),
-against transformers' composition of the same weights (Qwen2-VL's vision transformer,
-LayerNorm, LlamaForCausalLM fed inputs_embeds): greedy ids on /generate (image_data) and on
+"""End to end: images in, on each tiny vision checkpoint (checkpoints/tiny_vision.py) against
+its transformers reference (LLaVA: LlavaForConditionalGeneration; Sarashina2-Vision, which
+has no transformers class: the composition of Qwen2-VL's vision transformer, LayerNorm and
+LlamaForCausalLM fed inputs_embeds): greedy ids on /generate (image_data) and on
 /v1/chat/completions (image_url parts, through the openai SDK), one and two images per
 prompt, single and batch; the prefix cache keyed by image; bad images are 400s."""
 
@@ -17,14 +18,16 @@ import openai
 import pytest
 from PIL import Image
 
-from checkpoints.tiny_vision import IMAGE, IMAGE_END, IMAGE_START, Reference
+from checkpoints.tiny_vision import IMAGE, IMAGE_END, IMAGE_START, LLAVA_IMAGE, reference
 from tests.reference import first_near_tie
 from tests.server import serving, wait_idle
 
 pytestmark = pytest.mark.e2e
 
 N = 8                                   # greedy tokens compared
-SLOT = f"{IMAGE_START}{IMAGE}{IMAGE_END}"
+# How each family's prompts name an image, and the placeholder the server expands.
+SLOTS = {"sarashina2_vision": (f"{IMAGE_START}{IMAGE}{IMAGE_END}", IMAGE),
+         "llava": (LLAVA_IMAGE, LLAVA_IMAGE)}
 
 
 def picture(w: int, h: int, seed: int) -> Image.Image:
@@ -41,14 +44,24 @@ def b64png(img: Image.Image) -> str:
 CAT, DOG, WIDE = picture(90, 60, 1), picture(64, 64, 2), picture(200, 40, 3)
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model):
-    return tiny_model("sarashina2_vision")
+@pytest.fixture(scope="module", params=list(SLOTS))
+def family(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def reference(model):
-    return Reference(model)
+def model(tiny_model, family):
+    return tiny_model(family)
+
+
+@pytest.fixture(scope="module")
+def oracle(model):
+    return reference(model)
+
+
+@pytest.fixture(scope="module")
+def slot(family):
+    return SLOTS[family][0]
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +84,9 @@ def server(model, media_dir, tmp_path_factory):
         yield s
 
 
-def expected(reference, ids: list[int], images: list[Image.Image]) -> tuple[list[int], int]:
+def expected(oracle, ids: list[int], images: list[Image.Image]) -> tuple[list[int], int]:
     """The reference's greedy ids and how many of them to compare (up to a near-tie)."""
-    want, margins = reference.generate(ids, images, N)
+    want, margins = oracle.generate(ids, images, N)
     tie = first_near_tie(margins)
     return want, N if tie is None else tie
 
@@ -84,34 +97,34 @@ def greedy(**body) -> dict:
 
 
 @pytest.mark.parametrize("images", [[CAT], [CAT, WIDE]], ids=["one", "two"])
-def test_generate_equals_reference(server, reference, tokenizer, images):
-    text = "Look: " + " and ".join(SLOT for _ in images) + " what is it?"
-    want, n = expected(reference, tokenizer(text).input_ids, images)
+def test_generate_equals_reference(server, oracle, tokenizer, slot, images):
+    text = "Look: " + " and ".join(slot for _ in images) + " what is it?"
+    want, n = expected(oracle, tokenizer(text).input_ids, images)
     data = [b64png(im) for im in images]
     out = server.generate_ok(**greedy(text=text, image_data=data if len(data) > 1 else data[0]))
     assert out["output_ids"][:n] == want[:n]
-    expanded = len(reference.expand(tokenizer(text).input_ids, images))
+    expanded = len(oracle.expand(tokenizer(text).input_ids, images))
     assert out["meta_info"]["prompt_tokens"] == expanded
 
 
-def test_batch_equals_reference(server, reference, tokenizer):
-    texts = [f"One {SLOT} here.", f"Two {SLOT} and {SLOT}.", "No image at all."]
+def test_batch_equals_reference(server, oracle, tokenizer, slot):
+    texts = [f"One {slot} here.", f"Two {slot} and {slot}.", "No image at all."]
     images = [[DOG], [WIDE, CAT], []]
     outs = server.generate_ok(**greedy(text=texts, image_data=[
         b64png(DOG), [b64png(WIDE), b64png(CAT)], None]))
     for text, ims, out in zip(texts, images, outs):
-        want, n = expected(reference, tokenizer(text).input_ids, ims)
+        want, n = expected(oracle, tokenizer(text).input_ids, ims)
         assert out["output_ids"][:n] == want[:n]
 
 
-def test_input_ids_and_a_local_file(server, reference, tokenizer, media_dir):
-    ids = tokenizer(f"File {SLOT} please").input_ids
-    want, n = expected(reference, ids, [CAT])
+def test_input_ids_and_a_local_file(server, oracle, tokenizer, slot, media_dir):
+    ids = tokenizer(f"File {slot} please").input_ids
+    want, n = expected(oracle, ids, [CAT])
     out = server.generate_ok(**greedy(input_ids=ids, image_data=str(media_dir / "cat.png")))
     assert out["output_ids"][:n] == want[:n]
 
 
-def test_chat_completions_with_image_url_parts(server, reference, tokenizer):
+def test_chat_completions_with_image_url_parts(server, oracle, tokenizer):
     content = [{"type": "text", "text": "Compare "},
                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64png(DOG)}"}},
                {"type": "text", "text": " with "},
@@ -120,7 +133,7 @@ def test_chat_completions_with_image_url_parts(server, reference, tokenizer):
         {"type": "image"} if p["type"] == "image_url" else p for p in content]}]
     ids = tokenizer.apply_chat_template(template, add_generation_prompt=True, tokenize=True,
                                         return_dict=False)
-    want, n = expected(reference, list(ids), [DOG, CAT])
+    want, n = expected(oracle, list(ids), [DOG, CAT])
     with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
         r = client.chat.completions.create(
             model="default", messages=[{"role": "user", "content": content}], max_tokens=N,
@@ -135,17 +148,18 @@ def test_chat_completions_with_image_url_parts(server, reference, tokenizer):
                                                             skip_special_tokens=True)
 
 
-def test_the_prefix_cache_is_keyed_by_the_image(server, reference, tokenizer):
+def test_the_prefix_cache_is_keyed_by_the_image(server, oracle, tokenizer, family):
     server.client.post("/flush_cache")
-    text = f"Cache {SLOT} test"
+    slot, placeholder = SLOTS[family]
+    text = f"Cache {slot} test"
     first = server.generate_ok(**greedy(text=text, image_data=b64png(WIDE)))
     again = server.generate_ok(**greedy(text=text, image_data=b64png(WIDE)))
     prompt = first["meta_info"]["prompt_tokens"]
     assert again["meta_info"]["cached_tokens"] == prompt - 1          # all but the last
     other = server.generate_ok(**greedy(text=text, image_data=b64png(DOG)))
-    start = tokenizer(text).input_ids.index(tokenizer.convert_tokens_to_ids(IMAGE))
+    start = tokenizer(text).input_ids.index(tokenizer.convert_tokens_to_ids(placeholder))
     assert other["meta_info"]["cached_tokens"] == start               # up to the image only
-    want, n = expected(reference, tokenizer(text).input_ids, [DOG])
+    want, n = expected(oracle, tokenizer(text).input_ids, [DOG])
     assert other["output_ids"][:n] == want[:n]
     wait_idle(server)
 
@@ -159,7 +173,7 @@ def png_header_only(width: int, height: int) -> bytes:
             chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b""))
 
 
-def test_bad_images_are_400s_naming_the_problem(server, tmp_path):
+def test_bad_images_are_400s_naming_the_problem(server, slot, tmp_path):
     good = base64.b64decode(b64png(CAT))
     bad = {
         "truncated PNG": (base64.b64encode(good[:len(good) // 2]).decode(), "cannot be decoded"),
@@ -172,16 +186,16 @@ def test_bad_images_are_400s_naming_the_problem(server, tmp_path):
     }
     (tmp_path / "x.png").write_bytes(good)
     for name, (source, message) in bad.items():
-        r = server.generate(text=f"Bad {SLOT}", image_data=source,
+        r = server.generate(text=f"Bad {slot}", image_data=source,
                             sampling_params={"max_new_tokens": 2})
         assert r.status_code == 400, name
         assert re.search(message, r.json()["error"]["message"]), (name, r.text)
-    r = server.generate(text=f"Two {SLOT}{SLOT}", image_data=b64png(CAT))
+    r = server.generate(text=f"Two {slot}{slot}", image_data=b64png(CAT))
     assert r.status_code == 400 and "2 image placeholder" in r.json()["error"]["message"]
     r = server.generate(text="none", image_data=[b64png(CAT)] * 17)
     assert r.status_code == 400 and "max-images-per-request" in r.json()["error"]["message"]
     assert server.client.get("/health").status_code == 200
-    assert server.generate_ok(**greedy(text=f"Still {SLOT} alive", image_data=b64png(CAT)))
+    assert server.generate_ok(**greedy(text=f"Still {slot} alive", image_data=b64png(CAT)))
     wait_idle(server)
 
 
@@ -192,3 +206,21 @@ def test_model_cards_say_it_takes_images(server, llama_server):
     assert llama_server.client.get("/model_info").json()["has_image_understanding"] is False
     r = llama_server.generate(text="hi", image_data=b64png(CAT))
     assert r.status_code == 400 and "does not take images" in r.json()["error"]["message"]
+
+
+def test_tensor_parallel_with_prefill_chunks_cutting_through_images(tiny_model, tmp_path):
+    """Two ranks: rank 0 encodes, the rows travel in the step's plan; chunks of 8 positions
+    cut every image (16 and 24 positions) into pieces."""
+    model = tiny_model("sarashina2_vision")
+    oracle, slot = reference(model), SLOTS["sarashina2_vision"][0]
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(model))
+    texts = [f"A {slot} b", f"Two {slot} then {slot}."]
+    images = [[DOG], [WIDE, CAT]]
+    with serving(model, "--tp-size", "2", "--chunked-prefill-size", "8",
+                 tmpdir=tmp_path) as s:
+        outs = s.generate_ok(**greedy(text=texts, image_data=[[b64png(i) for i in ims]
+                                                              for ims in images]))
+    for text, ims, out in zip(texts, images, outs):
+        want, n = expected(oracle, tok(text).input_ids, ims)
+        assert out["output_ids"][:n] == want[:n]

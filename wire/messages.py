@@ -301,7 +301,8 @@ class StepPlan(WireStruct, tag=14):
     """One forward step, as every rank executes it. The step's tokens are [decode rows...,
     prefill segments...]; `prefills` holds (table row, start, length) per segment;
     `score_ranges` (first token row, count) per input-logprob logits call, in order, then
-    one logits call for `sample_rows` unless it is empty. `stop`: leave the follower loop."""
+    one logits call for `sample_rows` unless it is empty. `stop`: leave the follower loop.
+    `embed_rows` / `embed_values`: image rows, as CausalLM.forward's `embeds`."""
 
     ids: list[int]
     positions: list[int]
@@ -313,6 +314,10 @@ class StepPlan(WireStruct, tag=14):
     score_ranges: list[list[int]]
     sample_rows: list[int]
     stop: bool = False
+    # Rows whose inputs are an image encoder's output (rank 0 runs the encoder:
+    # scheduler_proc/images.py), and those inputs as float32 bytes, [rows, hidden].
+    embed_rows: list[int] = field(default_factory=list)
+    embed_values: bytes = b""
 
 
 # ---- scheduler replica -> data-parallel controller (--dp-size > 1) --------------------------

@@ -29,15 +29,23 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
 class VisionFamily:
     """A vision-language architecture: the text decoder it wraps (the checkpoint's
     `text_config` holds its config; this architecture where text_config names none) and
-    the config key of its image token (the placeholder a prompt names an image by)."""
+    the config keys that may hold its image token (the placeholder a prompt names an image
+    by), the first one present."""
 
     decoder: str
-    image_token_key: str
+    image_token_keys: tuple[str, ...] = ("image_token_id", "image_token_index")
+
+    def image_token_id(self, config: dict) -> int:
+        key = next((k for k in self.image_token_keys if config.get(k) is not None), None)
+        if key is None:
+            raise KeyError(" or ".join(self.image_token_keys))
+        return int(config[key])
 
 
 # Vision-language models: a vision encoder (models/vision/) in front of a text decoder.
 VISION_ARCHITECTURES = {
-    "Sarashina2VisionForCausalLM": VisionFamily("LlamaForCausalLM", "image_token_index"),
+    "Sarashina2VisionForCausalLM": VisionFamily("LlamaForCausalLM", ("image_token_index",)),
+    "LlavaForConditionalGeneration": VisionFamily("LlamaForCausalLM"),
 }
 # A text_config is saved as its difference from the decoder config class's defaults
 # (Sarashina2-Vision-8B's names only its vocabulary, context and norm eps): transformers'
@@ -204,7 +212,7 @@ def model_facts(path: str) -> ModelFacts:
                           (Path(path) / RANDOM_WEIGHTS_MARKER).exists(),
                           int(config["num_attention_heads"]),
                           None if vision is None else
-                          int(full[VISION_ARCHITECTURES[vision].image_token_key]))
+                          VISION_ARCHITECTURES[vision].image_token_id(full))
     except KeyError as e:
         raise StartupError(f"--model-path {path}: config.json has no {e.args[0]}") from None
     except (TypeError, ValueError) as e:

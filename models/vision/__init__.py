@@ -21,18 +21,30 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .qwen2_vl import Qwen2VisionTransformer
+from wire.model_path import VISION_ARCHITECTURES
+
+from .clip import ClipVisionTransformer
+from .qwen2_vl import ACTIVATIONS, Qwen2VisionTransformer
 
 
 @dataclass(frozen=True)
 class CheckpointNames:
     """Where a family's checkpoint keeps its parts: the decoder's modules under `decoder`
     (our `layers.0...` is `{decoder}layers.0...`), its LM head as `head`, and the encoder's
-    parameters under `encoder` (our `vision.X` is `{encoder}X`)."""
+    parameters under `encoder` (our `vision.X` is `{encoder}X`). `aliases`: prefixes other
+    saves of the family use, each rewritten to ours before a name is looked up (the first
+    that matches)."""
 
     decoder: str = "model."
     head: str = "lm_head"
     encoder: str = ""
+    aliases: tuple[tuple[str, str], ...] = ()
+
+    def canonical(self, key: str) -> str:
+        for old, new in self.aliases:
+            if key.startswith(old):
+                return new + key[len(old):]
+        return key
 
 
 TEXT_NAMES = CheckpointNames()
@@ -46,7 +58,6 @@ class Sarashina2VisionEncoder(nn.Module):
 
     def __init__(self, config: dict, hidden_size: int):
         super().__init__()
-        self.image_token_id = int(config["image_token_index"])
         self.visual = Qwen2VisionTransformer({**config.get("vision_config", {}),
                                               "hidden_size": hidden_size})
         self.norm = nn.LayerNorm(hidden_size)
@@ -62,14 +73,77 @@ class Sarashina2VisionEncoder(nn.Module):
         return self.norm(self.visual(pixels, grid))
 
 
-ENCODERS = {"Sarashina2VisionForCausalLM": Sarashina2VisionEncoder}
+class Projector(nn.Module):
+    """LLaVA's multi_modal_projector: linear, activation, linear."""
+
+    def __init__(self, width: int, hidden_size: int, act: str, bias: bool):
+        super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported projector_hidden_act {act!r}")
+        self.linear_1 = nn.Linear(width, hidden_size, bias=bias)
+        self.linear_2 = nn.Linear(hidden_size, hidden_size, bias=bias)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class LlavaEncoder(nn.Module):
+    """LLaVA (transformers' LlavaForConditionalGeneration): CLIP's vision tower, the hidden
+    states of `vision_feature_layer` (the class token dropped under the "default"
+    strategy), then the projector. An image is one fixed-size crop: [C, S, S] pixels, no
+    grid; every image makes the same number of rows."""
+
+    names = CheckpointNames(decoder="language_model.model.", head="language_model.lm_head",
+                            aliases=(("vision_tower.vision_model.", "vision_tower."),
+                                     ("model.vision_tower.vision_model.", "vision_tower."),
+                                     ("model.vision_tower.", "vision_tower."),
+                                     ("model.multi_modal_projector.", "multi_modal_projector."),
+                                     ("model.language_model.", "language_model.model."),
+                                     ("lm_head.", "language_model.lm_head.")))
+
+    def __init__(self, config: dict, hidden_size: int):
+        super().__init__()
+        layer = config.get("vision_feature_layer", -2)
+        if not isinstance(layer, int):
+            raise ValueError(f"vision_feature_layer {layer!r}: zserve takes one layer")
+        self.layer = layer
+        self.strategy = config.get("vision_feature_select_strategy", "default")
+        if self.strategy not in ("default", "full"):
+            raise ValueError(f"unsupported vision_feature_select_strategy {self.strategy!r}")
+        self.vision_tower = ClipVisionTransformer(config.get("vision_config", {}))
+        self.multi_modal_projector = Projector(
+            self.vision_tower.cfg["hidden_size"], hidden_size,
+            config.get("projector_hidden_act", "gelu"),
+            config.get("multimodal_projector_bias", True))
+
+    def tokens(self, grid: list[int]) -> int:
+        return self.vision_tower.patches + (self.strategy == "full")
+
+    def check(self, shape: list[int], grid: list[int]) -> str | None:
+        c = self.vision_tower.cfg
+        want = [c["num_channels"], c["image_size"], c["image_size"]]
+        return None if shape == want and not grid else \
+            f"pixels of shape {shape} are not one {want} crop"
+
+    @torch.inference_mode()
+    def forward(self, pixels: Tensor, grid: list[int]) -> Tensor:
+        x = self.vision_tower(pixels, self.layer)
+        return self.multi_modal_projector(x[1:] if self.strategy == "default" else x)
+
+
+ENCODERS = {"Sarashina2VisionForCausalLM": Sarashina2VisionEncoder,
+            "LlavaForConditionalGeneration": LlavaEncoder}
 
 
 def build_encoder(config) -> nn.Module | None:
     """The vision encoder of a ModelConfig's model (None for a text model)."""
-    if config.vision_architecture is None:
+    arch = config.vision_architecture
+    if arch is None:
         return None
-    return ENCODERS[config.vision_architecture](config.vision_config, config.hidden_size)
+    encoder = ENCODERS[arch](config.vision_config, config.hidden_size)
+    encoder.image_token_id = VISION_ARCHITECTURES[arch].image_token_id(config.vision_config)
+    return encoder
 
 
 def checkpoint_names(config) -> CheckpointNames:
