@@ -26,7 +26,7 @@ import pathlib
 from checkpoints import tiny
 from wire.model_path import RANDOM_WEIGHTS_MARKER
 
-VISION_FAMILIES = ("sarashina2_vision", "llava")
+VISION_FAMILIES = ("sarashina2_vision", "llava", "smolvlm")
 IMAGE, IMAGE_START, IMAGE_END = "<|file|>", "<|prefix|>", "<|suffix|>"
 LLAVA_IMAGE = "<image>"
 
@@ -58,6 +58,26 @@ LLAVA_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
+# SmolVLM's prompt shape, each image part as <image> where it stands in the message.
+SMOLVLM_CHAT_TEMPLATE = (
+    "<|im_start|>"
+    "{% for message in messages %}"
+    "{{ message['role'] | capitalize }}:"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<image>' }}"
+    "{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_utterance>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+SMOLVLM_TOKENS = ("<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>",
+                  *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)))
+# A 2-layer SigLIP tower of width 32 on 32 x 32 tiles of 8-pixel patches, shuffled 2 x 2:
+# 4 image tokens a tile; images resized to a longest edge of 128, so up to 4 x 4 tiles.
+SIGLIP_CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, image_size=32, patch_size=8)
+SMOLVLM_SIZES = dict(size={"longest_edge": 128}, max_image_size={"longest_edge": 32})
 # A 2-layer CLIP tower of width 32 on 56 x 56 crops of 14-pixel patches: 16 image tokens.
 CLIP_CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=2, image_size=56, patch_size=14, projection_dim=16,
@@ -172,14 +192,92 @@ def build_llava(out_dir, family: str = "llava", seed: int = 0) -> pathlib.Path:
     return out
 
 
-BUILDERS = {"sarashina2_vision": build_sarashina2_vision, "llava": build_llava}
+def build_smolvlm(out_dir, family: str = "smolvlm", seed: int = 0) -> pathlib.Path:
+    """transformers' own SmolVLMForConditionalGeneration, saved by it, with its image
+    processor's config and the processor's image_seq_len (processor_config.json, as
+    SmolVLMProcessor writes it: constructing that one needs num2words and torchvision)."""
+    import torch
+    from transformers import (AutoTokenizer, LlamaForCausalLM, SmolVLMConfig,
+                              SmolVLMForConditionalGeneration)
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import \
+        SmolVLMImageProcessorPil
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tiny.build_tokenizer(out, SMOLVLM_TOKENS, SMOLVLM_CHAT_TEMPLATE)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    ids = {t: tok.convert_tokens_to_ids(t) for t in (*tiny.SPECIAL_TOKENS, "<image>")}
+    text = tiny._config("llama", len(tok), ids, {})
+    llm = LlamaForCausalLM(text)
+    tiny._init_weights(llm, "llama", seed)
+    config = SmolVLMConfig(vision_config=SIGLIP_CONFIG, text_config=text.to_dict(),
+                           scale_factor=2, image_token_id=ids["<image>"])
+    model = SmolVLMForConditionalGeneration(config).to(torch.float32).eval()
+    _init_vision(model.model.vision_model, "vision_model.", seed)
+    _init_vision(model.model.connector, "connector.", seed)
+    model.model.text_model.load_state_dict(
+        {k.removeprefix("model."): v for k, v in llm.state_dict().items()
+         if k.startswith("model.")})
+    model.lm_head.load_state_dict(llm.lm_head.state_dict())
+    model.generation_config.eos_token_id = [ids[tiny.EOS]]
+    model.save_pretrained(str(out), safe_serialization=True)
+    images = SmolVLMImageProcessorPil(**SMOLVLM_SIZES)
+    (out / "processor_config.json").write_text(json.dumps(
+        {"processor_class": "SmolVLMProcessor", "image_seq_len": model.model.image_seq_len,
+         "image_processor": images.to_dict()}, indent=2, sort_keys=True))
+    (out / RANDOM_WEIGHTS_MARKER).write_text(
+        "zserve's tiny test checkpoint: seeded random weights, its text is gibberish.\n")
+    return out
+
+
+BUILDERS = {"sarashina2_vision": build_sarashina2_vision, "llava": build_llava,
+            "smolvlm": build_smolvlm}
 
 
 def reference(out_dir):
     """The oracle for a tiny vision checkpoint: transformers' model of its family."""
     arch = json.loads((pathlib.Path(out_dir) / "config.json").read_text())["architectures"][0]
-    return LlavaReference(out_dir) if arch == "LlavaForConditionalGeneration" \
-        else Reference(out_dir)
+    return {"LlavaForConditionalGeneration": LlavaReference,
+            "SmolVLMForConditionalGeneration": SmolVLMReference}.get(arch, Reference)(out_dir)
+
+
+class SmolVLMReference:
+    """transformers' SmolVLMForConditionalGeneration, with Idefics3Processor's expansion
+    (the same text as SmolVLMProcessor's, which needs num2words and torchvision) over the
+    saved image processor."""
+
+    def __init__(self, out_dir):
+        from transformers import (AutoTokenizer, Idefics3Processor,
+                                  SmolVLMForConditionalGeneration)
+        from transformers.models.idefics3.image_processing_pil_idefics3 import \
+            Idefics3ImageProcessorPil
+        self.model = SmolVLMForConditionalGeneration.from_pretrained(
+            str(out_dir), attn_implementation="eager").eval()
+        saved = json.loads((pathlib.Path(out_dir) / "processor_config.json").read_text())
+        cfg = {k: v for k, v in saved["image_processor"].items()
+               if k not in ("image_processor_type", "processor_class")}
+        self.processor = Idefics3Processor(image_processor=Idefics3ImageProcessorPil(**cfg),
+                                           tokenizer=AutoTokenizer.from_pretrained(str(out_dir)),
+                                           image_seq_len=saved["image_seq_len"])
+        self.image_token = self.model.config.image_token_id
+
+    def _inputs(self, ids: list[int], images):
+        text = self.processor.tokenizer.decode(ids)
+        if not images:
+            return {"input_ids": __import__("torch").tensor([ids])}
+        out = self.processor(text=[text], images=[list(images)], return_tensors="pt",
+                             add_special_tokens=False)
+        return {k: out[k] for k in ("input_ids", "pixel_values", "pixel_attention_mask")}
+
+    def expand(self, ids: list[int], images) -> list[int]:
+        return self._inputs(ids, images)["input_ids"][0].tolist()
+
+    def generate(self, ids: list[int], images, max_new_tokens: int
+                 ) -> tuple[list[int], list[float]]:
+        import torch
+        with torch.no_grad():
+            out = self.model(**self._inputs(ids, images), use_cache=True)
+            return greedy_loop(self.model, out, max_new_tokens)
 
 
 def greedy_loop(model, out, max_new_tokens: int) -> tuple[list[int], list[float]]:

@@ -81,6 +81,9 @@ class Rescaled:
         self.mean = np.array(cfg.get("image_mean", mean), dtype=np.float32)
         self.std = np.array(cfg.get("image_std", std), dtype=np.float32)
 
+    def bind(self, encode) -> None:
+        """The tokenizer's encode(text) -> ids, for families whose expansion has text."""
+
     def to_array(self, image: Image.Image | np.ndarray) -> np.ndarray:
         """An RGB image (resized already), or its [3, H, W] uint8 array -> [3, H, W] float32,
         rescaled and normalized."""
@@ -191,6 +194,101 @@ class ClipImages(Rescaled):
         return ProcessedImage(self.to_array(x), [], list(self.tokens))
 
 
+class Idefics3Images(Rescaled):
+    """Idefics3's and SmolVLM's image processor (their PIL backends are the same): the
+    longest edge resized to size["longest_edge"] (the other side even), then, with
+    splitting, resized up to multiples of the tile size M and cut into M x M tiles
+    row-major, with the whole image resized to M x M as the last tile ("global"); without,
+    the one M x M image. LANCZOS by default, mean and std 0.5.
+
+    Its tokens (Idefics3Processor's and SmolVLMProcessor's expansion): per tile row,
+    `<fake_token_around_image><row_r_col_c>` + image_seq_len image tokens for each tile,
+    then a newline; then a newline, `<fake_token_around_image><global-img>`, the global
+    tile's image tokens, `<fake_token_around_image>`; an unsplit image is just the global
+    block. The text is tokenized by `bind`'s encoder: every marker is a special token, so
+    the pieces tokenize as they would inside the whole prompt."""
+
+    def __init__(self, cfg: dict, image_token_id: int, processor: dict):
+        super().__init__(cfg, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+        self.resample = Image.Resampling(cfg.get("resample", Image.Resampling.LANCZOS))
+        self.longest = (cfg.get("size") or {}).get("longest_edge", 4 * 364)
+        self.tile = (cfg.get("max_image_size") or {}).get("longest_edge", 364)
+        self.split = cfg.get("do_image_splitting", True)
+        self.seq_len = processor.get("image_seq_len", 169)
+        self.image_token_id = image_token_id
+        self.encode = None
+
+    def bind(self, encode) -> None:
+        """encode(text) -> ids without special tokens added: the tokenizer's. A tokenizer
+        that does not spell the markers as single tokens is a startup error."""
+        self.encode = encode
+        self.expansion(1, 1)
+
+    @staticmethod
+    def _resize(x: np.ndarray, h: int, w: int, resample) -> np.ndarray:
+        return np.asarray(Image.fromarray(x).resize((w, h), resample=resample))
+
+    def process(self, image: Image.Image) -> ProcessedImage:
+        x, m = np.asarray(image), self.tile
+        h, w = x.shape[:2]
+        if self.do_resize:                  # the longest edge to `longest`, the other even
+            ar = w / h
+            if w >= h:
+                w = self.longest
+                h = int(w / ar)
+                h += h % 2
+            else:
+                h = self.longest
+                w = int(h * ar)
+                w += w % 2
+            h, w = max(h, 1), max(w, 1)
+            ar = w / h
+            if w >= h and w > 4096:
+                w, h = 4096, max(int(4096 / ar), 1)
+            elif h > w and h > 4096:
+                h, w = 4096, max(int(4096 * ar), 1)
+            x = self._resize(x, h, w, self.resample)
+        rows = cols = 0
+        if not self.split:
+            tiles = [self._resize(x, m, m, self.resample)]
+        else:                               # up to multiples of the tile size
+            ar = w / h
+            if w >= h:
+                w = math.ceil(w / m) * m
+                h = math.ceil(int(w / ar) / m) * m
+            else:
+                h = math.ceil(h / m) * m
+                w = math.ceil(int(h * ar) / m) * m
+            x = self._resize(x, h, w, self.resample)
+            if h > m or w > m:
+                rows, cols = (h - m) // m + 1, (w - m) // m + 1
+                tiles = [x[r * m:(r + 1) * m, c * m:(c + 1) * m]
+                         for r in range(rows) for c in range(cols)]
+                tiles.append(self._resize(x, m, m, self.resample))
+            else:
+                tiles = [x]
+        pixels = np.stack([self.to_array(np.ascontiguousarray(t.transpose(2, 0, 1)))
+                           for t in tiles])
+        return ProcessedImage(pixels, [rows, cols], self.expansion(rows, cols))
+
+    def expansion(self, rows: int, cols: int) -> list[int]:
+        """The ids one image's placeholder becomes: the processors' text, tokenized whole
+        (so a run like the last row's newline and the next one is one piece, as it is
+        when transformers tokenizes the expanded prompt)."""
+        image, fake = "<image>" * self.seq_len, "<fake_token_around_image>"
+        text = ""
+        for r in range(rows):
+            text += "".join(f"{fake}<row_{r + 1}_col_{c + 1}>{image}" for c in range(cols))
+            text += "\n"
+        text += ("\n" if rows else "") + f"{fake}<global-img>{image}{fake}"
+        ids = self.encode(text)
+        tiles = rows * cols + 1
+        if ids.count(self.image_token_id) != tiles * self.seq_len:
+            raise MediaError("The tokenizer does not spell this model's image markers as "
+                             "single tokens.")
+        return ids
+
+
 def center_crop(x: np.ndarray, height: int, width: int) -> np.ndarray:
     """transformers' center_crop of a [C, H, W] array: the middle height x width, zero-padded
     (centred, the extra pixel after) where the image is smaller."""
@@ -207,7 +305,9 @@ def center_crop(x: np.ndarray, height: int, width: int) -> np.ndarray:
 
 # Architecture (wire.model_path.VISION_ARCHITECTURES) -> its image processor
 PROCESSORS = {"Sarashina2VisionForCausalLM": Qwen2VLImages,
-              "LlavaForConditionalGeneration": ClipImages}
+              "LlavaForConditionalGeneration": ClipImages,
+              "Idefics3ForConditionalGeneration": Idefics3Images,
+              "SmolVLMForConditionalGeneration": Idefics3Images}
 
 
 def image_processor(model_dir: str | Path, architecture: str, image_token_id: int | None):
@@ -216,10 +316,10 @@ def image_processor(model_dir: str | Path, architecture: str, image_token_id: in
     if image_token_id is None:
         return None
     kind = PROCESSORS[architecture]
-    if kind is ClipImages:
-        return kind(read_processor_config(model_dir), image_token_id,
-                    read_processor_settings(model_dir))
-    return kind(read_processor_config(model_dir), image_token_id)
+    if kind is Qwen2VLImages:
+        return kind(read_processor_config(model_dir), image_token_id)
+    return kind(read_processor_config(model_dir), image_token_id,
+                read_processor_settings(model_dir))
 
 
 def placeholders(ids: list[int], images: int, image_token_id: int) -> list[int]:

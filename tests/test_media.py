@@ -218,3 +218,30 @@ def test_clip_pixels_equal_transformers(size, kind, tmp_path):
     assert np.array_equal(got.pixels, want)
     rows = (hf.crop_size.height // 14) * (hf.crop_size.width // 14)
     assert got.tokens == [5] * rows and got.grid == []
+
+
+@pytest.mark.parametrize("size", [(100, 60), (60, 100), (7, 30), (300, 10), (32, 32), (128, 128)])
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("kind", ["smolvlm", "idefics3"])
+def test_idefics3_tiles_equal_transformers(size, split, kind, tmp_path):
+    """Pixels and tiles as transformers' PIL processors make them (SmolVLM's and
+    Idefics3's are the same), and the expansion's text as Idefics3Processor writes it."""
+    from transformers.models.idefics3.image_processing_pil_idefics3 import \
+        Idefics3ImageProcessorPil
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import \
+        SmolVLMImageProcessorPil
+    from media.processors import Idefics3Images
+    kw = dict(size={"longest_edge": 128}, max_image_size={"longest_edge": 32},
+              do_image_splitting=split)
+    hf = (SmolVLMImageProcessorPil if kind == "smolvlm" else Idefics3ImageProcessorPil)(**kw)
+    hf.save_pretrained(str(tmp_path))
+    ours = Idefics3Images(read_processor_config(tmp_path), 1, {"image_seq_len": 2})
+    ours.bind(lambda text: [1 if text[i:].startswith("<image>") else 0
+                            for i in range(len(text)) if text[i] == "<"])   # markers only
+    img = image(*size)
+    want = hf(images=[img], return_tensors="np", return_row_col_info=True)
+    got = ours.process(load_image(b64(png(img)), MediaPolicy()))
+    rows, cols = want["rows"][0][0], want["cols"][0][0]
+    assert got.grid == [rows, cols]
+    assert np.array_equal(got.pixels, want["pixel_values"][0][:rows * cols + 1])
+    assert got.tokens.count(1) == (rows * cols + 1) * 2

@@ -1,5 +1,6 @@
 """End to end: images in, on each tiny vision checkpoint (checkpoints/tiny_vision.py) against
-its transformers reference (LLaVA: LlavaForConditionalGeneration; Sarashina2-Vision, which
+its transformers reference (LLaVA: LlavaForConditionalGeneration; SmolVLM:
+SmolVLMForConditionalGeneration, its tiles and Idefics3Processor's expansion; Sarashina2-Vision, which
 has no transformers class: the composition of Qwen2-VL's vision transformer, LayerNorm and
 LlamaForCausalLM fed inputs_embeds): greedy ids on /generate (image_data) and on
 /v1/chat/completions (image_url parts, through the openai SDK), one and two images per
@@ -27,7 +28,8 @@ pytestmark = pytest.mark.e2e
 N = 8                                   # greedy tokens compared
 # How each family's prompts name an image, and the placeholder the server expands.
 SLOTS = {"sarashina2_vision": (f"{IMAGE_START}{IMAGE}{IMAGE_END}", IMAGE),
-         "llava": (LLAVA_IMAGE, LLAVA_IMAGE)}
+         "llava": (LLAVA_IMAGE, LLAVA_IMAGE),
+         "smolvlm": ("<image>", "<image>")}
 
 
 def picture(w: int, h: int, seed: int) -> Image.Image:

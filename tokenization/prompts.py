@@ -176,6 +176,8 @@ class Tokenizer:
         self.vocab_size = vocab_size
         self.context_len = context_len
         self.images = images
+        if images is not None:
+            images.bind(lambda text: list(self.tok.encode(text, add_special_tokens=False)))
         self.media, self.max_images = media, max_images
         self.verdicts = Verdicts()          # the grammar checker's, by grammar
         bound = chars_per_token_bound(self.tok)

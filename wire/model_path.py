@@ -46,6 +46,8 @@ class VisionFamily:
 VISION_ARCHITECTURES = {
     "Sarashina2VisionForCausalLM": VisionFamily("LlamaForCausalLM", ("image_token_index",)),
     "LlavaForConditionalGeneration": VisionFamily("LlamaForCausalLM"),
+    "Idefics3ForConditionalGeneration": VisionFamily("LlamaForCausalLM"),
+    "SmolVLMForConditionalGeneration": VisionFamily("LlamaForCausalLM"),
 }
 # A text_config is saved as its difference from the decoder config class's defaults
 # (Sarashina2-Vision-8B's names only its vocabulary, context and norm eps): transformers'

@@ -25,6 +25,8 @@ from wire.model_path import VISION_ARCHITECTURES
 
 from .clip import ClipVisionTransformer
 from .qwen2_vl import ACTIVATIONS, Qwen2VisionTransformer
+from .siglip import DEFAULTS as SIGLIP_DEFAULTS
+from .siglip import ACTIVATIONS_TANH, Connector, VisionModel
 
 
 @dataclass(frozen=True)
@@ -132,8 +134,47 @@ class LlavaEncoder(nn.Module):
         return self.multi_modal_projector(x[1:] if self.strategy == "default" else x)
 
 
+class Idefics3Encoder(nn.Module):
+    """Idefics3 and SmolVLM: the SigLIP-shaped vision model over each tile of an image (its
+    processor's tiles, the global one last: pixels [tiles, C, S, S], grid [rows, cols]),
+    then the connector's pixel shuffle and projection: (S / patch)^2 / scale^2 rows per
+    tile, in tile order."""
+
+    names = CheckpointNames(decoder="model.text_model.", head="lm_head", encoder="model.")
+
+    def __init__(self, config: dict, hidden_size: int):
+        super().__init__()
+        cfg = self.cfg = {**SIGLIP_DEFAULTS, **config.get("vision_config", {})}
+        if cfg["hidden_act"] not in ACTIVATIONS_TANH:
+            raise ValueError(f"unsupported vision hidden_act {cfg['hidden_act']!r}")
+        self.scale = int(config.get("scale_factor", 2))
+        self.vision_model = VisionModel(cfg)
+        self.connector = Connector(cfg, self.scale, hidden_size)
+
+    @property
+    def tile_tokens(self) -> int:
+        return (self.cfg["image_size"] // self.cfg["patch_size"]) ** 2 // self.scale ** 2
+
+    def tokens(self, grid: list[int]) -> int:
+        rows, cols = grid
+        return (rows * cols + 1) * self.tile_tokens
+
+    def check(self, shape: list[int], grid: list[int]) -> str | None:
+        c = self.cfg
+        if len(grid) != 2 or min(grid) < 0 or (grid[0] == 0) != (grid[1] == 0):
+            return f"grid {grid} is not [rows, cols] of tiles"
+        want = [grid[0] * grid[1] + 1, c["num_channels"], c["image_size"], c["image_size"]]
+        return None if shape == want else f"pixels of shape {shape} are not {want} tiles"
+
+    @torch.inference_mode()
+    def forward(self, pixels: Tensor, grid: list[int]) -> Tensor:
+        return self.connector(self.vision_model(pixels))
+
+
 ENCODERS = {"Sarashina2VisionForCausalLM": Sarashina2VisionEncoder,
-            "LlavaForConditionalGeneration": LlavaEncoder}
+            "LlavaForConditionalGeneration": LlavaEncoder,
+            "Idefics3ForConditionalGeneration": Idefics3Encoder,
+            "SmolVLMForConditionalGeneration": Idefics3Encoder}
 
 
 def build_encoder(config) -> nn.Module | None:

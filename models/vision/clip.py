@@ -53,11 +53,11 @@ class Attention(nn.Module):
         self.v_proj, self.out_proj = nn.Linear(d, d), nn.Linear(d, d)
 
     def forward(self, x: Tensor) -> Tensor:
-        n = x.shape[0]
-        q, k, v = (proj(x).view(n, self.heads, -1).transpose(0, 1)
+        """Full attention over the tokens of x [..., n, D] (any leading dims: images)."""
+        q, k, v = (proj(x).unflatten(-1, (self.heads, -1)).transpose(-2, -3)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
         o = F.scaled_dot_product_attention(q, k, v)
-        return self.out_proj(o.transpose(0, 1).reshape(n, -1))
+        return self.out_proj(o.transpose(-2, -3).flatten(-2))
 
 
 class Mlp(nn.Module):
