@@ -69,9 +69,15 @@ def resolve_args(args: ServerArgs) -> ServerConfig:
     path = resolve_model_path(given if given is not None else default_model())
     name = args.served_model_name
     is_gguf = path.endswith(".gguf")
+    if args.mmproj is not None and not is_gguf:
+        raise StartupError("--mmproj is a GGUF text model's vision projector: pass the text "
+                           "model as a .gguf --model-path (a Hugging Face directory holds "
+                           "its vision encoder itself)")
+    if args.mmproj is not None and not Path(args.mmproj).is_file():
+        raise StartupError(f"--mmproj {args.mmproj}: no such file")
     if is_gguf:
         name = name or given or DEFAULT_MODEL_NAME
-        path = gguf_sidecar(path)     # config + tokenizer for every process; weights stay put
+        path = gguf_sidecar(path, args.mmproj)  # config + tokenizer for every process
     facts = model_facts(path)
     source = describe_source(given, path)
     if facts.random_weights:        # said once startup checks passed (see serve)
@@ -133,23 +139,23 @@ def default_model() -> str:
                        "not installed: run `make install`, or pass --model-path")
 
 
-def gguf_sidecar(path: str) -> str:
+def gguf_sidecar(path: str, mmproj: str | None = None) -> str:
     """The cached config + tokenizer directory of a GGUF file (models/gguf.py).
     Found in the cache without loading anything; else built in a subprocess, since building
     needs torch and transformers, which the API process does not load (~10 s: transformers
     converts the tokenizer)."""
-    cached = gguf_sidecar_dir(Path(path))
+    cached = gguf_sidecar_dir(Path(path), mmproj=Path(mmproj) if mmproj else None)
     if (cached / SIDECAR_FILE).is_file():
         return str(cached)
     log.info("first start with %s: writing its config and tokenizer files into %s "
              "(transformers converts the tokenizer: seconds; later starts reuse them)",
              path, cached)
     code = ("import sys\nfrom models.gguf import materialize\n"
-            "print(materialize(sys.argv[1]))")
+            "print(materialize(*sys.argv[1:2], mmproj=(sys.argv[2:] or [None])[0]))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
-                       env=env)
+    r = subprocess.run([sys.executable, "-c", code, path, *([mmproj] if mmproj else [])],
+                       capture_output=True, text=True, env=env)
     if r.returncode != 0:
         lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
         last = lines[-1].split(": ", 1)[-1] if lines else f"exit code {r.returncode}"

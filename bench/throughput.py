@@ -333,12 +333,13 @@ class LlamaServer:
     process dies without running either, the kernel sends it SIGTERM."""
 
     def __init__(self, binary: str, model: str, slots: int, ctx: int, threads: int,
-                 timeout: float = 180.0):
+                 timeout: float = 180.0, extra: tuple[str, ...] = ()):
+        """extra: more llama-server flags (bench/images.py: --mmproj FILE)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.command = [binary, "-m", model, "-t", str(threads), "-tb", str(threads),
                         "-np", str(slots), "-cb", "-c", str(ctx),
-                        "--host", "127.0.0.1", "--port", str(self.port)]
+                        "--host", "127.0.0.1", "--port", str(self.port), *extra]
         self.log_path = pathlib.Path(tempfile.gettempdir()) / f"llama-server-{self.port}.log"
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log,

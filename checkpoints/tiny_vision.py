@@ -246,7 +246,8 @@ class SmolVLMReference:
     (the same text as SmolVLMProcessor's, which needs num2words and torchvision) over the
     saved image processor."""
 
-    def __init__(self, out_dir):
+    def __init__(self, out_dir, **image_processor):
+        """image_processor: settings over the saved ones (do_image_splitting=False ...)."""
         from transformers import (AutoTokenizer, Idefics3Processor,
                                   SmolVLMForConditionalGeneration)
         from transformers.models.idefics3.image_processing_pil_idefics3 import \
@@ -255,7 +256,7 @@ class SmolVLMReference:
             str(out_dir), attn_implementation="eager").eval()
         saved = json.loads((pathlib.Path(out_dir) / "processor_config.json").read_text())
         cfg = {k: v for k, v in saved["image_processor"].items()
-               if k not in ("image_processor_type", "processor_class")}
+               if k not in ("image_processor_type", "processor_class")} | image_processor
         self.processor = Idefics3Processor(image_processor=Idefics3ImageProcessorPil(**cfg),
                                            tokenizer=AutoTokenizer.from_pretrained(str(out_dir)),
                                            image_seq_len=saved["image_seq_len"])

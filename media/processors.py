@@ -4,6 +4,7 @@ in transformers' dtypes and order, so the pixels equal transformers' PIL-backend
 and what one image becomes in the prompt.
 
     processor = image_processor(model_dir, architecture, image_token_id)  # None: text only
+    processor.bind(encode)                         # the tokenizer, where an expansion has text
     out = processor.process(rgb_image)             # ProcessedImage
     out.pixels    # float32 array for the encoder (models/vision/)
     out.grid      # the family's geometry (Qwen2-VL: [t, h, w]); [] where there is none
@@ -120,7 +121,7 @@ class Qwen2VLImages(Rescaled):
     patch * merge within the pixel bounds, then patches of [C, T, P, P] flattened in the
     merge-block order the vision transformer expects; one image token per merge block."""
 
-    def __init__(self, cfg: dict, image_token_id: int):
+    def __init__(self, cfg: dict, image_token_id: int, processor: dict | None = None):
         super().__init__(cfg)
         size = cfg.get("size") or {}
         self.min_pixels = cfg.get("min_pixels") or size.get("shortest_edge") or 56 * 56
@@ -315,11 +316,8 @@ def image_processor(model_dir: str | Path, architecture: str, image_token_id: in
     is the launcher's to read), or None for a model that takes no images."""
     if image_token_id is None:
         return None
-    kind = PROCESSORS[architecture]
-    if kind is Qwen2VLImages:
-        return kind(read_processor_config(model_dir), image_token_id)
-    return kind(read_processor_config(model_dir), image_token_id,
-                read_processor_settings(model_dir))
+    return PROCESSORS[architecture](read_processor_config(model_dir), image_token_id,
+                                    read_processor_settings(model_dir))
 
 
 def placeholders(ids: list[int], images: int, image_token_id: int) -> list[int]:

@@ -94,16 +94,26 @@ def find_gguf(path: str | Path) -> Path | None:
     return found[0] if found else None
 
 
-def _sidecar_target(sidecar: Path) -> Path:
+def _sidecar_target(sidecar: Path, file: str = "gguf_file", key: str = "key") -> Path:
     """The GGUF a sidecar stands for; an error if that file changed since it was written."""
     info = json.loads((sidecar / SIDECAR_FILE).read_text())
-    target = Path(info["gguf_file"])
+    target = Path(info[file])
     if not target.is_file():
         raise FileNotFoundError(f"{sidecar}: its GGUF file {target} no longer exists")
-    if gguf_file_key(target) != info.get("key"):
+    if gguf_file_key(target) != info.get(key):
         raise ValueError(f"{sidecar}: {target} changed since this sidecar was written; "
                          f"pass the .gguf file itself to rebuild it")
     return target
+
+
+def find_mmproj(path: str | Path) -> Path | None:
+    """The vision projector file (--mmproj) a GGUF pair's sidecar stands for, else None."""
+    path = Path(path)
+    if not (path.is_dir() and (path / SIDECAR_FILE).is_file()):
+        return None
+    if "mmproj_file" not in json.loads((path / SIDECAR_FILE).read_text()):
+        return None
+    return _sidecar_target(path, "mmproj_file", "mmproj_key")
 
 
 # ---------------------------------------------------------------------------------------
@@ -616,10 +626,12 @@ def _few(names: list[str], n: int = 8) -> str:
 # Sidecar
 
 
-def materialize(gguf_path: str | Path, cache_root: str | Path | None = None) -> Path:
+def materialize(gguf_path: str | Path, cache_root: str | Path | None = None,
+                mmproj: str | Path | None = None) -> Path:
     """The sidecar directory for a GGUF file (or a directory holding one), built on first
     use: config.json, generation_config.json, the tokenizer files (transformers' GGUF
     tokenizer, saved with save_pretrained; the chat template included) and zserve_gguf.json.
+    With a vision projector file (`mmproj`), the pair's sidecar (materialize_pair).
 
     Keyed by the file's resolved path, size and mtime; built under a temporary name and
     renamed into place, so concurrent callers are safe and a sidecar is never half-written.
@@ -630,6 +642,8 @@ def materialize(gguf_path: str | Path, cache_root: str | Path | None = None) -> 
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     path = path.resolve()
+    if mmproj is not None:
+        return materialize_pair(path, Path(mmproj), cache_root)
     final = gguf_sidecar_dir(path, Path(cache_root) if cache_root is not None else None)
     root, key = final.parent, gguf_file_key(path)
     if (final / SIDECAR_FILE).is_file():
@@ -652,6 +666,55 @@ def materialize(gguf_path: str | Path, cache_root: str | Path | None = None) -> 
         (tmp / SIDECAR_FILE).write_text(json.dumps({
             "gguf_file": str(path), "key": key, "size": path.stat().st_size,
             "sidecar_version": SIDECAR_VERSION, "created": time.time()}, indent=2) + "\n")
+        try:
+            os.rename(tmp, final)
+        except OSError:                 # another process won the race: keep theirs
+            if not (final / SIDECAR_FILE).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def materialize_pair(path: Path, mmproj: Path, cache_root: str | Path | None = None) -> Path:
+    """The sidecar of a GGUF text model with a vision projector file: the text model's
+    tokenizer and generation files, a vision config.json (models/vision/mmproj.py: the
+    text model's config as its text_config, the encoder's from the projector's metadata,
+    the image token from the tokenizer), processor_config.json, and zserve_gguf.json naming
+    both files."""
+    from .vision import mmproj as projector
+
+    mmproj = mmproj.resolve()
+    if not mmproj.is_file():
+        raise FileNotFoundError(f"{mmproj}: no such file")
+    root = Path(cache_root) if cache_root is not None else None
+    final = gguf_sidecar_dir(path, root, mmproj)
+    if (final / SIDECAR_FILE).is_file():
+        return final
+    text = materialize(path, cache_root)
+    header = read_header(mmproj)
+    projector.check(header)
+    from transformers import AutoTokenizer
+    image_token = AutoTokenizer.from_pretrained(str(text)).convert_tokens_to_ids("<image>")
+    if not isinstance(image_token, int) or image_token < 0:
+        raise ValueError(f"{path.name}: its tokenizer has no <image> token for the "
+                         f"projector's images")
+    cfg = projector.vision_config(header, json.loads((text / "config.json").read_text()),
+                                  image_token)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        os.chmod(tmp, 0o755)
+        for f in text.iterdir():
+            if f.name not in (SIDECAR_FILE, "config.json"):
+                shutil.copy(f, tmp / f.name)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        (tmp / "processor_config.json").write_text(
+            json.dumps(projector.processor_config(header), indent=2) + "\n")
+        info = json.loads((text / SIDECAR_FILE).read_text())
+        (tmp / SIDECAR_FILE).write_text(json.dumps({
+            **info, "mmproj_file": str(mmproj), "mmproj_key": gguf_file_key(mmproj)},
+            indent=2) + "\n")
         try:
             os.rename(tmp, final)
         except OSError:                 # another process won the race: keep theirs

@@ -6,7 +6,9 @@ once on the target device and every checkpoint tensor is copied straight into it
 it, so fusing q/k/v and gate/up costs no extra copy and peak host memory stays one tensor.
 Any checkpoint tensor we cannot place, or parameter left unfilled, is an error listing them.
 A GGUF file (or a directory holding one, or its sidecar from gguf.materialize) is read by
-gguf.py: config from its metadata, each tensor dequantized into the same parameters.
+gguf.py: config from its metadata, each tensor dequantized into the same parameters; a
+GGUF pair's sidecar (a text model with a vision projector file, --mmproj) has its config
+in config.json, and the encoder's tensors come from the projector (vision/mmproj.py).
 
 Tensor parallelism (`tp` with size > 1): the module is built with this rank's config
 (models/tp.py: Shard) and each checkpoint tensor contributes only this rank's rows or
@@ -49,6 +51,7 @@ from wire.proc import return_freed_heap
 from wire.server_args import INT8_BATCH, QUANTIZATIONS, quantization_refusal
 from .tp import VOCAB_PARTS, Selection, Shard
 from .vision import checkpoint_names
+from .vision import mmproj as projector
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +84,10 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.d
     # The first touch of the CPU kernels (kernels.avx2_available): they compile here on a
     # first start after an install or an update (kernels.build_library says so in the log).
     _check_quantization(quantization, header is not None, torch.device(device), tp)
-    if header is not None:
+    mmproj = gguf.find_mmproj(model_path) if header is not None else None
+    if mmproj is not None:              # a GGUF pair's sidecar: its config.json has both
+        config = ModelConfig.from_path(model_path)
+    elif header is not None:
         config = ModelConfig.from_dict(gguf.config_dict(header), gguf.generation_dict(header))
     else:
         config = ModelConfig.from_dir(model_path)
@@ -94,6 +100,8 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.d
     rope_freqs = None
     if header is not None:
         rope_freqs = gguf.load_weights(header, config, params, model.shard, native)
+        if mmproj is not None:
+            projector.load(gguf.read_header(mmproj), params)
     else:
         _load_safetensors(Path(model_path), config, params, model.shard)
     if model.shard is not None:

@@ -119,7 +119,8 @@ def _add_tokenizer(w: gguf.GGUFWriter, hf_dir: Path) -> None:
     """The tiny byte-level BPE as llama.cpp's "gpt2" tokenizer (what _set_vocab_gpt2 writes)."""
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     tcfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    added = {a["content"]: a["id"] for a in tok["added_tokens"]}   # past the BPE's (<image>)
+    vocab = sorted({**tok["model"]["vocab"], **added}.items(), key=lambda kv: kv[1])
     special = {a["content"] for a in tok["added_tokens"] if a["special"]}
     ids = {t: i for t, i in vocab}
     w.add_tokenizer_model("gpt2")

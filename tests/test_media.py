@@ -245,3 +245,20 @@ def test_idefics3_tiles_equal_transformers(size, split, kind, tmp_path):
     assert got.grid == [rows, cols]
     assert np.array_equal(got.pixels, want["pixel_values"][0][:rows * cols + 1])
     assert got.tokens.count(1) == (rows * cols + 1) * 2
+
+
+def test_a_vision_models_decoder_config():
+    from wire.model_path import decoder_config
+    text = {"architectures": ["VLlama3ForCausalLM"], "hidden_size": 8, "vocab_size": 10,
+            "tie_word_embeddings": True}
+    cfg = decoder_config({"architectures": ["Idefics3ForConditionalGeneration"],
+                          "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                          "text_config": text})
+    assert cfg["architectures"] == ["LlamaForCausalLM"]         # a decoder we serve
+    assert cfg["tie_word_embeddings"] is False                  # the top level's
+    assert cfg["torch_dtype"] == "bfloat16" and cfg["hidden_size"] == 8
+    sparse = decoder_config({"architectures": ["Sarashina2VisionForCausalLM"],
+                             "text_config": {"vocab_size": 102400}})
+    assert sparse["hidden_size"] == 4096 and sparse["num_hidden_layers"] == 32   # LlamaConfig's
+    plain = {"architectures": ["LlamaForCausalLM"], "tie_word_embeddings": True}
+    assert decoder_config(plain) is plain

@@ -68,16 +68,19 @@ def vision_architecture(config: dict) -> str | None:
 def decoder_config(config: dict) -> dict:
     """The text decoder's config.json: the config itself for a text model; a vision
     model's text_config, with its architecture and the top-level keys it leaves out
-    (dtype, token ids) filled in."""
+    (dtype, token ids) filled in, and the top level's tie_word_embeddings over its own
+    (SmolVLM-256M's text_config says tied, the model is not: transformers reads the top)."""
     arch = vision_architecture(config)
     if arch is None:
         return config
     text = dict(config.get("text_config") or {})
     if not any(a in TEXT_ARCHITECTURES for a in text.get("architectures") or []):
         text["architectures"] = [VISION_ARCHITECTURES[arch].decoder]
-    for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id", "tie_word_embeddings"):
+    for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id"):
         if key in config and key not in text:
             text[key] = config[key]
+    if "tie_word_embeddings" in config:     # the whole model's says (transformers ties the
+        text["tie_word_embeddings"] = config["tie_word_embeddings"]     # head by it)
     if "LlamaForCausalLM" in text["architectures"]:
         text = {**_LLAMA_DEFAULTS, **text}
     return text
@@ -175,12 +178,18 @@ def gguf_file_key(path: Path) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
-def gguf_sidecar_dir(gguf: Path, cache_root: Path | None = None) -> Path:
+def gguf_sidecar_dir(gguf: Path, cache_root: Path | None = None,
+                     mmproj: Path | None = None) -> Path:
     """Where the sidecar (config + tokenizer files) of GGUF file `gguf` lives once built by
-    models/gguf.py's materialize; complete iff it holds SIDECAR_FILE."""
+    models/gguf.py's materialize; complete iff it holds SIDECAR_FILE. With a vision
+    projector file (--mmproj), the pair's own sidecar."""
     gguf = gguf.resolve()
     root = (cache_root if cache_root is not None else zserve_cache() / "gguf")
-    return root.expanduser().absolute() / f"{gguf.stem}-{gguf_file_key(gguf)}"
+    name = f"{gguf.stem}-{gguf_file_key(gguf)}"
+    if mmproj is not None:
+        mmproj = mmproj.resolve()
+        name += f"+{mmproj.stem}-{gguf_file_key(mmproj)}"
+    return root.expanduser().absolute() / name
 
 
 @dataclass(frozen=True, slots=True)

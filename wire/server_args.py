@@ -198,6 +198,9 @@ class ServerArgs:
     shutdown_timeout: float = _opt(30.0, "On SIGTERM/SIGINT, seconds in-flight requests may "
                                    "take to finish before they are aborted.")
     # ---- images (README: "Images") ----
+    mmproj: str | None = _opt(None, "A llama.cpp vision projector GGUF (as llama-server's "
+                              "--mmproj) for a GGUF --model-path: the pair serves images "
+                              "(SmolVLM / Idefics3 projectors).")
     allowed_local_media_path: str | None = _opt(None, "A directory whose files requests may "
                                                 "name as images (absolute paths or file:// "
                                                 "URLs, symlinks resolved); none outside "
