@@ -113,6 +113,15 @@ def prompt(tag: str) -> str:
 
 # ---- zserve ---------------------------------------------------------------------------------
 
+async def sse_frames(client: httpx.AsyncClient, path: str, body: dict):
+    """The JSON frames of a streamed POST, to `data: [DONE]`."""
+    async with client.stream("POST", path, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 async def one_request(client: httpx.AsyncClient, text: str, image: str,
                       output_len: int) -> dict:
     body = {"text": text, "image_data": image, "stream": True,
@@ -120,15 +129,10 @@ async def one_request(client: httpx.AsyncClient, text: str, image: str,
                                 "ignore_eos": True}}
     t0 = time.monotonic()
     first, last = None, None
-    async with client.stream("POST", "/generate", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            frame = json.loads(line[6:])
-            if first is None and frame["output_ids"]:
-                first = time.monotonic()
-            last = frame
+    async for frame in sse_frames(client, "/generate", body):
+        if first is None and frame["output_ids"]:
+            first = time.monotonic()
+        last = frame
     end = time.monotonic()
     n = len(last["output_ids"])
     return {"ttft": first - t0, "e2e": end - t0, "tokens": n,
@@ -137,19 +141,24 @@ async def one_request(client: httpx.AsyncClient, text: str, image: str,
             "cached_tokens": last["meta_info"]["cached_tokens"]}
 
 
-async def run_phase(url: str, texts: list[str], images: list[str], output_len: int,
-                    concurrent: bool) -> dict:
+async def phase(url: str, requests: list, concurrent: bool) -> dict:
+    """Run the requests (each `lambda client: coroutine`) all at once or one after another."""
     async with httpx.AsyncClient(base_url=url, timeout=3600,
-                                 limits=httpx.Limits(max_connections=len(texts))) as client:
+                                 limits=httpx.Limits(max_connections=len(requests))) as client:
         t0 = time.monotonic()
         if concurrent:
-            results = await asyncio.gather(*(one_request(client, t, im, output_len)
-                                             for t, im in zip(texts, images)))
+            results = await asyncio.gather(*(make(client) for make in requests))
         else:
-            results = [await one_request(client, t, im, output_len)
-                       for t, im in zip(texts, images)]
-        wall = time.monotonic() - t0
-    return summary(results, wall)
+            results = [await make(client) for make in requests]
+        return summary(results, time.monotonic() - t0)
+
+
+def run_phase(url: str, texts: list[str], images: list[str], output_len: int,
+              concurrent: bool) -> dict:
+    """/generate requests, one per (text, image)."""
+    return asyncio.run(phase(url, [
+        lambda c, t=t, im=im: one_request(c, t, im, output_len)
+        for t, im in zip(texts, images)], concurrent))
 
 
 def summary(results: list[dict], wall: float) -> dict:
@@ -167,16 +176,16 @@ def run_zserve(model: pathlib.Path, images: list[str], args) -> dict:
     server = Server(str(model), *args.server_args.split(), one_thread=False)
     try:
         url, n, s = server.url, args.num_requests, args.single
-        asyncio.run(run_phase(url, [prompt("warm-up")], images[-1:], 2, False))
+        run_phase(url, [prompt("warm-up")], images[-1:], 2, False)
         out = {
-            "batch_cold": asyncio.run(run_phase(url, [prompt(f"a{i}") for i in range(n)],
-                                                images[:n], args.output_len, True)),
-            "batch_warm": asyncio.run(run_phase(url, [prompt(f"b{i}") for i in range(n)],
-                                                images[:n], args.output_len, True)),
-            "single_cold": asyncio.run(run_phase(url, [prompt(f"c{i}") for i in range(s)],
-                                                 images[n:n + s], args.output_len, False)),
-            "single_warm": asyncio.run(run_phase(url, [prompt(f"d{i}") for i in range(s)],
-                                                 images[n:n + s], args.output_len, False)),
+            "batch_cold": run_phase(url, [prompt(f"a{i}") for i in range(n)], images[:n],
+                                    args.output_len, True),
+            "batch_warm": run_phase(url, [prompt(f"b{i}") for i in range(n)], images[:n],
+                                    args.output_len, True),
+            "single_cold": run_phase(url, [prompt(f"c{i}") for i in range(s)],
+                                     images[n:n + s], args.output_len, False),
+            "single_warm": run_phase(url, [prompt(f"d{i}") for i in range(s)],
+                                     images[n:n + s], args.output_len, False),
         }
         out["server_info"] = server.client.get("/server_info").json()
         return out
@@ -194,17 +203,12 @@ async def one_chat(client: httpx.AsyncClient, image: str, output_len: int) -> di
                 {"type": "text", "text": "What is in this picture?"}]}]}
     t0 = time.monotonic()
     first, chunks, usage = None, 0, None
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            frame = json.loads(line[6:])
-            usage = frame.get("usage") or usage
-            delta = (frame.get("choices") or [{}])[0].get("delta") or {}
-            if delta.get("content"):
-                chunks += 1
-                first = first or time.monotonic()
+    async for frame in sse_frames(client, "/v1/chat/completions", body):
+        usage = frame.get("usage") or usage
+        delta = (frame.get("choices") or [{}])[0].get("delta") or {}
+        if delta.get("content"):
+            chunks += 1
+            first = first or time.monotonic()
     end = time.monotonic()
     n = (usage or {}).get("completion_tokens") or chunks
     return {"ttft": first - t0, "e2e": end - t0, "tokens": n,
@@ -212,23 +216,17 @@ async def one_chat(client: httpx.AsyncClient, image: str, output_len: int) -> di
             "prompt_tokens": (usage or {}).get("prompt_tokens")}
 
 
-async def chat_phase(url: str, images: list[str], output_len: int, concurrent: bool) -> dict:
-    async with httpx.AsyncClient(base_url=url, timeout=3600,
-                                 limits=httpx.Limits(max_connections=len(images))) as client:
-        t0 = time.monotonic()
-        if concurrent:
-            results = await asyncio.gather(*(one_chat(client, im, output_len)
-                                             for im in images))
-        else:
-            results = [await one_chat(client, im, output_len) for im in images]
-        return summary(results, time.monotonic() - t0)
+def chat_phase(url: str, images: list[str], output_len: int, concurrent: bool) -> dict:
+    """/v1/chat/completions requests, one per image."""
+    return asyncio.run(phase(url, [lambda c, im=im: one_chat(c, im, output_len)
+                                   for im in images], concurrent))
 
 
 def chat_turn(url: str, images: list[str], args) -> dict:
     n, s = args.num_requests, args.single
-    asyncio.run(chat_phase(url, images[-1:], 2, False))                 # warm-up
-    return {"batch": asyncio.run(chat_phase(url, images[:n], args.output_len, True)),
-            "single": asyncio.run(chat_phase(url, images[n:n + s], args.output_len, False))}
+    chat_phase(url, images[-1:], 2, False)                              # warm-up
+    return {"batch": chat_phase(url, images[:n], args.output_len, True),
+            "single": chat_phase(url, images[n:n + s], args.output_len, False)}
 
 
 def run_llama_pair(model: pathlib.Path, images: list[str], args) -> dict:

@@ -156,6 +156,16 @@ def build_sarashina2_vision(out_dir, family: str = "sarashina2_vision",
     return out
 
 
+def _save_with_decoder(model, text_model, llm, eos: int, out: pathlib.Path) -> None:
+    """Put tiny.py's initialized Llama (`llm`) in a transformers vision model as its text
+    model and head, and save the model with transformers (its own names and config)."""
+    text_model.load_state_dict({k.removeprefix("model."): v for k, v in llm.state_dict().items()
+                                if k.startswith("model.")})
+    model.lm_head.load_state_dict(llm.lm_head.state_dict())
+    model.generation_config.eos_token_id = [eos]
+    model.save_pretrained(str(out), safe_serialization=True)
+
+
 def build_llava(out_dir, family: str = "llava", seed: int = 0) -> pathlib.Path:
     """transformers' own LlavaForConditionalGeneration and LlavaProcessor, saved by them."""
     import torch
@@ -176,12 +186,7 @@ def build_llava(out_dir, family: str = "llava", seed: int = 0) -> pathlib.Path:
     model = LlavaForConditionalGeneration(config).to(torch.float32).eval()
     _init_vision(model.model.vision_tower, "vision_tower.", seed)
     _init_vision(model.model.multi_modal_projector, "multi_modal_projector.", seed)
-    model.model.language_model.load_state_dict(
-        {k.removeprefix("model."): v for k, v in llm.state_dict().items()
-         if k.startswith("model.")})
-    model.lm_head.load_state_dict(llm.lm_head.state_dict())
-    model.generation_config.eos_token_id = [ids[tiny.EOS]]
-    model.save_pretrained(str(out), safe_serialization=True)
+    _save_with_decoder(model, model.model.language_model, llm, ids[tiny.EOS], out)
     images = CLIPImageProcessorPil(size={"shortest_edge": 56},
                                    crop_size={"height": 56, "width": 56})
     LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=14,
@@ -215,12 +220,7 @@ def build_smolvlm(out_dir, family: str = "smolvlm", seed: int = 0) -> pathlib.Pa
     model = SmolVLMForConditionalGeneration(config).to(torch.float32).eval()
     _init_vision(model.model.vision_model, "vision_model.", seed)
     _init_vision(model.model.connector, "connector.", seed)
-    model.model.text_model.load_state_dict(
-        {k.removeprefix("model."): v for k, v in llm.state_dict().items()
-         if k.startswith("model.")})
-    model.lm_head.load_state_dict(llm.lm_head.state_dict())
-    model.generation_config.eos_token_id = [ids[tiny.EOS]]
-    model.save_pretrained(str(out), safe_serialization=True)
+    _save_with_decoder(model, model.model.text_model, llm, ids[tiny.EOS], out)
     images = SmolVLMImageProcessorPil(**SMOLVLM_SIZES)
     (out / "processor_config.json").write_text(json.dumps(
         {"processor_class": "SmolVLMProcessor", "image_seq_len": model.model.image_seq_len,

@@ -656,16 +656,24 @@ def materialize(gguf_path: str | Path, cache_root: str | Path | None = None,
     config = ModelConfig.from_dict(cfg, gen)        # refuse what we cannot serve, now
     check_types(header)
 
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
-    try:
-        os.chmod(tmp, 0o755)
+    def write(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         _save_tokenizer(path, tmp, config)
         (tmp / SIDECAR_FILE).write_text(json.dumps({
             "gguf_file": str(path), "key": key, "size": path.stat().st_size,
             "sidecar_version": SIDECAR_VERSION, "created": time.time()}, indent=2) + "\n")
+    return _install_sidecar(final, write)
+
+
+def _install_sidecar(final: Path, write) -> Path:
+    """Build a sidecar with write(tmp) under a temporary name beside `final`, then rename
+    it into place: concurrent builders are safe, and a sidecar is never half-written."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        os.chmod(tmp, 0o755)
+        write(tmp)
         try:
             os.rename(tmp, final)
         except OSError:                 # another process won the race: keep theirs
@@ -701,10 +709,8 @@ def materialize_pair(path: Path, mmproj: Path, cache_root: str | Path | None = N
                          f"projector's images")
     cfg = projector.vision_config(header, json.loads((text / "config.json").read_text()),
                                   image_token)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        os.chmod(tmp, 0o755)
+
+    def write(tmp: Path) -> None:
         for f in text.iterdir():
             if f.name not in (SIDECAR_FILE, "config.json"):
                 shutil.copy(f, tmp / f.name)
@@ -715,14 +721,7 @@ def materialize_pair(path: Path, mmproj: Path, cache_root: str | Path | None = N
         (tmp / SIDECAR_FILE).write_text(json.dumps({
             **info, "mmproj_file": str(mmproj), "mmproj_key": gguf_file_key(mmproj)},
             indent=2) + "\n")
-        try:
-            os.rename(tmp, final)
-        except OSError:                 # another process won the race: keep theirs
-            if not (final / SIDECAR_FILE).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return _install_sidecar(final, write)
 
 
 def _save_tokenizer(path: Path, out: Path, config) -> None:

@@ -1,9 +1,10 @@
-"""A GGUF text model with llama.cpp's vision projector file (--mmproj): the tiny SmolVLM
-written as the pair llama.cpp's convert_hf_to_gguf.py writes (its text model as a llama
-GGUF, its vision tower and connector as a "clip" GGUF of projector type idefics3, under
-llama.cpp's tensor names), served together, against transformers'
-SmolVLMForConditionalGeneration on the same weights with the projector's processing (one
-tile of image_size a picture)."""
+"""A GGUF text model with llama.cpp's vision projector file (--mmproj): the tiny SmolVLM and
+LLaVA written as the pairs llama.cpp's converters write (the text model as a llama GGUF;
+the vision tower and projector as a "clip" GGUF under llama.cpp's tensor names: projector
+type idefics3 as convert_hf_to_gguf.py --mmproj writes it, type mlp as the legacy
+convert_image_encoder_to_gguf.py does, cut after the feature layer, fc1 named ffn_down),
+served together, against transformers on the same weights with the projector's
+processing (one image_size tile a picture)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,12 @@ pytestmark = pytest.mark.e2e
 N = 8
 
 
-def text_dir(hf: Path, out: Path) -> Path:
+# the checkpoint's prefix of its text model and head -> a Llama checkpoint's
+TEXT_NAMES = {"smolvlm": {"model.text_model.": "model.", "lm_head.": "lm_head."},
+              "llava": {"language_model.model.": "model.", "language_model.lm_head.": "lm_head."}}
+
+
+def text_dir(hf: Path, out: Path, family: str) -> Path:
     """The checkpoint's text model alone, as a Llama HF directory (write_gguf's input)."""
     out.mkdir()
     cfg = json.loads((hf / "config.json").read_text())
@@ -34,34 +40,53 @@ def text_dir(hf: Path, out: Path) -> Path:
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(hf / f, out / f)
     state = load_file(str(hf / "model.safetensors"))
-    save_file({k.replace("model.text_model.", "model."): v for k, v in state.items()
-               if k.startswith(("model.text_model.", "lm_head."))},
-              str(out / "model.safetensors"))
+    renamed = {}
+    for k, v in state.items():
+        prefix = next((p for p in TEXT_NAMES[family] if k.startswith(p)), None)
+        if prefix is not None:
+            renamed[TEXT_NAMES[family][prefix] + k[len(prefix):]] = v
+    save_file(renamed, str(out / "model.safetensors"))
     return out
 
 
-def write_mmproj(hf: Path, out: Path) -> Path:
-    """The vision tower and connector as llama.cpp's idefics3 projector file."""
+def write_mmproj(hf: Path, out: Path, family: str) -> Path:
+    """The vision tower and projector as llama.cpp's projector file of the family."""
     cfg = json.loads((hf / "config.json").read_text())
     v = cfg["vision_config"]
+    llava = family == "llava"
+    layers = v["num_hidden_layers"] + 1 + cfg["vision_feature_layer"] if llava \
+        else v["num_hidden_layers"]                    # the legacy converter's cut
     w = gguf.GGUFWriter(str(out), "clip")
     w.add_string("general.type", "mmproj")
-    w.add_string("clip.projector_type", "idefics3")
+    w.add_string("clip.projector_type", "mlp" if llava else "idefics3")
     w.add_bool("clip.has_vision_encoder", True)
+    w.add_bool("clip.use_gelu", v.get("hidden_act") == "gelu")
     for key, value in (("embedding_length", v["hidden_size"]),
                        ("feed_forward_length", v["intermediate_size"]),
-                       ("block_count", v["num_hidden_layers"]),
+                       ("block_count", layers),
                        ("attention.head_count", v["num_attention_heads"]),
-                       ("image_size", v["image_size"]), ("patch_size", v["patch_size"]),
-                       ("projector.scale_factor", cfg["scale_factor"])):
+                       ("image_size", v["image_size"]), ("patch_size", v["patch_size"])):
         w.add_uint32(f"clip.vision.{key}", value)
+    if not llava:
+        w.add_uint32("clip.vision.projector.scale_factor", cfg["scale_factor"])
     w.add_float32("clip.vision.attention.layer_norm_epsilon", v.get("layer_norm_eps", 1e-6))
-    w.add_array("clip.vision.image_mean", [0.5] * 3)
-    w.add_array("clip.vision.image_std", [0.5] * 3)
+    mean = [0.48145466, 0.4578275, 0.40821073] if llava else [0.5] * 3
+    std = [0.26862954, 0.26130258, 0.27577711] if llava else [0.5] * 3
+    w.add_array("clip.vision.image_mean", mean)
+    w.add_array("clip.vision.image_std", std)
     state = load_file(str(hf / "model.safetensors"))
-    for ours, theirs in tensor_names(v["num_hidden_layers"]).items():
-        hf_name = "model." + ours.removeprefix("vision.")
-        w.add_tensor(theirs, state[hf_name].float().numpy())
+    arch = cfg["architectures"][0]
+    names = tensor_names(arch, layers)
+    ffn = {"fc1": "ffn_down", "fc2": "ffn_up"} if llava else {"fc1": "ffn_up", "fc2": "ffn_down"}
+    tower = "vision.vision_tower." if llava else "vision.vision_model."
+    for i in range(layers):
+        for ours, theirs in ffn.items():
+            for kind in ("weight", "bias"):
+                names[f"{tower}encoder.layers.{i}.mlp.{ours}.{kind}"] = \
+                    f"v.blk.{i}.{theirs}.{kind}"
+    stored = "" if llava else "model."               # LLaVA is saved without "model."
+    for ours, theirs in names.items():
+        w.add_tensor(theirs, state[stored + ours.removeprefix("vision.")].float().numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -69,41 +94,47 @@ def write_mmproj(hf: Path, out: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_model, tmp_path_factory):
-    hf = tiny_model("smolvlm")
-    d = tmp_path_factory.mktemp("pair")
-    text = write_gguf(text_dir(hf, d / "text"), d / "smolvlm-text.gguf")
-    return hf, text, write_mmproj(hf, d / "mmproj-smolvlm.gguf")
+@pytest.fixture(scope="module", params=["smolvlm", "llava"])
+def pair(request, tiny_model, tmp_path_factory):
+    family = request.param
+    hf = tiny_model(family)
+    d = tmp_path_factory.mktemp(f"pair-{family}")
+    text = write_gguf(text_dir(hf, d / "text", family), d / f"{family}-text.gguf")
+    return family, hf, text, write_mmproj(hf, d / f"mmproj-{family}.gguf", family)
 
 
 def test_gguf_text_model_with_mmproj_equals_transformers(pair, tmp_path):
     from transformers import AutoTokenizer
 
-    from checkpoints.tiny_vision import SmolVLMReference
-    hf, text, mmproj = pair
-    size = json.loads((hf / "config.json").read_text())["vision_config"]["image_size"]
-    oracle = SmolVLMReference(hf, do_image_splitting=False, size={"longest_edge": size},
-                              max_image_size={"longest_edge": size})
+    from checkpoints.tiny_vision import SmolVLMReference, reference
+    family, hf, text, mmproj = pair
+    if family == "smolvlm":         # one image_size tile a picture, as llama.cpp
+        size = json.loads((hf / "config.json").read_text())["vision_config"]["image_size"]
+        oracle = SmolVLMReference(hf, do_image_splitting=False, size={"longest_edge": size},
+                                  max_image_size={"longest_edge": size})
+    else:                           # the tiny LLaVA's processing is CLIP's at image_size
+        oracle = reference(hf)
     tok = AutoTokenizer.from_pretrained(str(hf))
     texts, images = ["Look: <image> now", "Two <image> and <image>."], [[CAT], [WIDE, CAT]]
     with serving(text, "--mmproj", str(mmproj), tmpdir=tmp_path) as s:
         info = s.client.get("/model_info").json()
         assert info["has_image_understanding"] and \
-            info["architecture"] == "Idefics3ForConditionalGeneration"
+            info["architecture"] == json.loads((hf / "config.json").read_text())[
+                "architectures"][0].replace("SmolVLM", "Idefics3")
         outs = s.generate_ok(**greedy(text=texts, image_data=[[b64png(i) for i in ims]
                                                               for ims in images]))
     for t, ims, out in zip(texts, images, outs):
         want, margins = oracle.generate(tok(t).input_ids, ims, N)
-        n = first_near_tie(margins) or N
+        tie = first_near_tie(margins)
+        n = N if tie is None else tie
         assert out["output_ids"][:n] == want[:n]
         assert out["meta_info"]["prompt_tokens"] == len(oracle.expand(tok(t).input_ids, ims))
 
 
-def test_mmproj_needs_a_gguf_model_and_a_projector(pair, tiny_model, tmp_path):
+def test_mmproj_needs_a_gguf_model_and_a_projector(pair, tmp_path):
     import subprocess
     import sys
-    hf, text, mmproj = pair
+    _, hf, text, mmproj = pair
     for model, proj, message in ((hf, mmproj, "pass the text model as a .gguf"),
                                  (text, text, "not a vision projector file"),
                                  (text, tmp_path / "nope.gguf", "no such file")):

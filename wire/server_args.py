@@ -200,7 +200,8 @@ class ServerArgs:
     # ---- images (README: "Images") ----
     mmproj: str | None = _opt(None, "A llama.cpp vision projector GGUF (as llama-server's "
                               "--mmproj) for a GGUF --model-path: the pair serves images "
-                              "(SmolVLM / Idefics3 projectors).")
+                              "(projector types idefics3: SmolVLM, Idefics3; mlp: "
+                              "LLaVA-1.5).")
     allowed_local_media_path: str | None = _opt(None, "A directory whose files requests may "
                                                 "name as images (absolute paths or file:// "
                                                 "URLs, symlinks resolved); none outside "

@@ -26,7 +26,7 @@ from wire.model_path import VISION_ARCHITECTURES
 from .clip import ClipVisionTransformer
 from .qwen2_vl import ACTIVATIONS, Qwen2VisionTransformer
 from .siglip import DEFAULTS as SIGLIP_DEFAULTS
-from .siglip import ACTIVATIONS_TANH, Connector, VisionModel
+from .siglip import Connector, VisionModel
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ class Idefics3Encoder(nn.Module):
     def __init__(self, config: dict, hidden_size: int):
         super().__init__()
         cfg = self.cfg = {**SIGLIP_DEFAULTS, **config.get("vision_config", {})}
-        if cfg["hidden_act"] not in ACTIVATIONS_TANH:
+        if cfg["hidden_act"] not in ACTIVATIONS:
             raise ValueError(f"unsupported vision hidden_act {cfg['hidden_act']!r}")
         self.scale = int(config.get("scale_factor", 2))
         self.vision_model = VisionModel(cfg)

@@ -86,6 +86,8 @@ class Layer(nn.Module):
 
 
 class Encoder(nn.Module):
+    """The blocks (SigLIP's are the same: siglip.py)."""
+
     def __init__(self, cfg: dict):
         super().__init__()
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg["num_hidden_layers"]))

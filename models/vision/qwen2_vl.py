@@ -22,8 +22,9 @@ from torch import Tensor, nn
 DEFAULTS = {"depth": 32, "embed_dim": 1280, "hidden_size": 3584, "hidden_act": "quick_gelu",
             "mlp_ratio": 4, "num_heads": 16, "in_channels": 3, "patch_size": 14,
             "spatial_merge_size": 2, "temporal_patch_size": 2}
+# transformers' ACT2FN names of the activations the vision families use
 ACTIVATIONS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu,
-               "silu": F.silu}
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
 
 
 def vision_settings(vision_config: dict) -> dict:

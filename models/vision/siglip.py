@@ -1,6 +1,7 @@
 """Idefics3's (and SmolVLM's) vision transformer in plain torch, SigLIP's shape: patches
-embedded by a biased convolution, learned absolute positions, pre-norm blocks with biased
-q/k/v/out projections and tanh-approximated GELU, a final LayerNorm; then the connector:
+embedded by a biased convolution, learned absolute positions, CLIP's pre-norm blocks
+(clip.py: biased q/k/v/out projections; here the tanh-approximated GELU), a final
+LayerNorm; then the connector:
 a pixel shuffle folding each scale x scale block of patches into one token, and a linear
 map (no bias) to the decoder's width.
 
@@ -14,14 +15,10 @@ image processor makes is a full image_size square, so its positions are simply 0
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .clip import Attention
-from .qwen2_vl import ACTIVATIONS
-
-ACTIVATIONS_TANH = {**ACTIVATIONS, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+from .clip import Encoder
 # Idefics3VisionConfig's defaults
 DEFAULTS = {"hidden_size": 1152, "intermediate_size": 3072, "num_hidden_layers": 12,
             "num_attention_heads": 16, "num_channels": 3, "image_size": 224, "patch_size": 32,
@@ -44,37 +41,6 @@ class Embeddings(nn.Module):
         patches = (tiles.to(w.dtype).view(t, c, s // p, p, s // p, p).permute(0, 2, 4, 1, 3, 5)
                    .reshape(t, -1, c * p * p))
         return F.linear(patches, w.view(w.shape[0], -1), b) + self.position_embedding.weight
-
-
-class Mlp(nn.Module):
-    def __init__(self, cfg: dict):
-        super().__init__()
-        self.fc1 = nn.Linear(cfg["hidden_size"], cfg["intermediate_size"])
-        self.fc2 = nn.Linear(cfg["intermediate_size"], cfg["hidden_size"])
-        self.act = ACTIVATIONS_TANH[cfg["hidden_act"]]
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class Layer(nn.Module):
-    def __init__(self, cfg: dict):
-        super().__init__()
-        d, eps = cfg["hidden_size"], cfg["layer_norm_eps"]
-        self.layer_norm1 = nn.LayerNorm(d, eps=eps)
-        self.self_attn = Attention(d, cfg["num_attention_heads"])
-        self.layer_norm2 = nn.LayerNorm(d, eps=eps)
-        self.mlp = Mlp(cfg)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.self_attn(self.layer_norm1(x))
-        return x + self.mlp(self.layer_norm2(x))
-
-
-class Encoder(nn.Module):
-    def __init__(self, cfg: dict):
-        super().__init__()
-        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg["num_hidden_layers"]))
 
 
 class VisionModel(nn.Module):
