@@ -77,6 +77,8 @@ class ImageEmbedder:
                                   .reshape(image.shape).copy())                # writable
         out = self.encoder(pixels.to(self.device, self.dtype), list(image.grid))
         self.encoded += 1
+        log.debug("encoded image %s: %d rows (%d images so far)", image.hash[:12],
+                  out.shape[0], self.encoded)
         size = out.numel() * out.element_size()
         if size <= self.capacity:
             self.cache[image.hash] = out

@@ -194,6 +194,8 @@ def test_bad_images_are_400s_naming_the_problem(server, slot, tmp_path):
         assert re.search(message, r.json()["error"]["message"]), (name, r.text)
     r = server.generate(text=f"Two {slot}{slot}", image_data=b64png(CAT))
     assert r.status_code == 400 and "2 image placeholder" in r.json()["error"]["message"]
+    r = server.generate(text=f"None given {slot}", sampling_params={"max_new_tokens": 2})
+    assert r.status_code == 400 and "1 image placeholder" in r.json()["error"]["message"]
     r = server.generate(text="none", image_data=[b64png(CAT)] * 17)
     assert r.status_code == 400 and "max-images-per-request" in r.json()["error"]["message"]
     assert server.client.get("/health").status_code == 200

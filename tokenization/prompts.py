@@ -300,6 +300,11 @@ class Tokenizer:
         images = None
         if req.image_data is not None:
             ids, images = self.add_images(ids, req.image_data)
+        elif self.images is not None:       # placeholders without images: as many as none
+            try:
+                placeholders(ids, 0, self.images.image_token_id)
+            except MediaError as e:
+                raise RequestError(str(e)) from None
         n, s = len(ids), req.sampling
         if req.fit_context and n + s.max_new_tokens >= self.context_len:
             room = max(self.context_len - n - 1, 0)
