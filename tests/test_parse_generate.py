@@ -344,3 +344,37 @@ def test_bad_constraints_are_400(sampling, match):
 
 def test_constraints_are_sampling_params_not_top_level_fields():
     _bad({"text": "a", "regex": "x"}, "Unknown field(s) in the request: regex.")
+
+
+# ---- image_data (a vision model's images; the tokenizer process loads them) ----------------
+
+@pytest.mark.parametrize("image_data, want", [
+    ("AAAA", [["AAAA"]]),                           # one image
+    (["AAAA", "/x/y.png"], [["AAAA", "/x/y.png"]]),  # several in the one prompt
+    ([], [None]),
+    (None, [None]),
+])
+def test_image_data_of_one_prompt(image_data, want):
+    reqs = parse_generate({"text": "a", "image_data": image_data}).requests
+    assert [r.image_data for r in reqs] == want
+
+
+def test_image_data_of_a_batch_is_one_entry_per_prompt():
+    body = {"text": ["a", "b", "c"], "image_data": ["A", ["B", "C"], None]}
+    assert [r.image_data for r in parse_generate(body).requests] == [["A"], ["B", "C"], None]
+    # n > 1: every sample and the prompt's prefill-only warm-up carry the prompt's images
+    parsed = parse_generate({"text": "a", "image_data": "A", "sampling_params": {"n": 2}})
+    assert [r.image_data for r in parsed.requests + parsed.warmups] == [["A"]] * 3
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"text": "a", "image_data": 5}, "image_data must be an image"),
+    ({"text": "a", "image_data": ["A", 5]}, "image_data must be an image"),
+    ({"text": "a", "image_data": [["A"]]}, "image_data must be an image"),
+    ({"text": ["a", "b"], "image_data": ["A"]}, "one entry per prompt (2)"),
+    ({"text": ["a", "b"], "image_data": "A"}, "one entry per prompt (2)"),
+    ({"text": ["a", "b"], "image_data": ["A", {"url": "x"}]}, "image_data[1] must be"),
+])
+def test_bad_image_data_is_a_400(body, fragment):
+    with pytest.raises(BadRequest, match=re.escape(fragment)):
+        parse_generate(body)
