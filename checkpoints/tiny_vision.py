@@ -26,7 +26,7 @@ import pathlib
 from checkpoints import tiny
 from wire.model_path import RANDOM_WEIGHTS_MARKER
 
-VISION_FAMILIES = ("sarashina2_vision", "llava", "smolvlm")
+VISION_FAMILIES = ("sarashina2_vision", "llava", "smolvlm", "qwen2_vl")
 IMAGE, IMAGE_START, IMAGE_END = "<|file|>", "<|prefix|>", "<|suffix|>"
 LLAVA_IMAGE = "<image>"
 
@@ -78,6 +78,19 @@ SMOLVLM_TOKENS = ("<image>", "<fake_token_around_image>", "<global-img>", "<end_
 SIGLIP_CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, image_size=32, patch_size=8)
 SMOLVLM_SIZES = dict(size={"longest_edge": 128}, max_image_size={"longest_edge": 32})
+# Qwen2-VL's ChatML, each image part as <|vision_start|><|image_pad|><|vision_end|>.
+QWEN2_VL_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 # A 2-layer CLIP tower of width 32 on 56 x 56 crops of 14-pixel patches: 16 image tokens.
 CLIP_CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=2, image_size=56, patch_size=14, projection_dim=16,
@@ -230,15 +243,87 @@ def build_smolvlm(out_dir, family: str = "smolvlm", seed: int = 0) -> pathlib.Pa
     return out
 
 
+def build_qwen2_vl(out_dir, family: str = "qwen2_vl", seed: int = 0) -> pathlib.Path:
+    """transformers' own Qwen2VLForConditionalGeneration (a Qwen2 decoder with multimodal
+    RoPE: head_dim 16, sections [2, 3, 3] of its 8 frequencies), saved by it, with Qwen2-VL's
+    image processor (the Sarashina2 tower's settings)."""
+    import torch
+    from transformers import (AutoTokenizer, Qwen2ForCausalLM, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil)
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tiny.build_tokenizer(out, QWEN2_VL_TOKENS, QWEN2_VL_CHAT_TEMPLATE)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    ids = {t: tok.convert_tokens_to_ids(t) for t in (*tiny.SPECIAL_TOKENS, *QWEN2_VL_TOKENS)}
+    text = tiny._config("qwen2", len(tok), ids, {})
+    llm = Qwen2ForCausalLM(text)
+    tiny._init_weights(llm, "qwen2", seed)
+    text_cfg = {**text.to_dict(), "rope_parameters": {
+        "rope_type": "default", "rope_theta": text.rope_parameters["rope_theta"],
+        "mrope_section": [2, 3, 3]}}
+    config = Qwen2VLConfig(text_config=text_cfg, vision_config={**VISION_CONFIG,
+                                                                "hidden_size": text.hidden_size},
+                           image_token_id=ids["<|image_pad|>"],
+                           vision_start_token_id=ids["<|vision_start|>"],
+                           vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    model = Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
+    _init_vision(model.model.visual, "visual.", seed)
+    _save_with_decoder(model, model.model.language_model, llm, ids[tiny.EOS], out)
+    Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(
+        str(out))
+    (out / RANDOM_WEIGHTS_MARKER).write_text(
+        "zserve's tiny test checkpoint: seeded random weights, its text is gibberish.\n")
+    return out
+
+
 BUILDERS = {"sarashina2_vision": build_sarashina2_vision, "llava": build_llava,
-            "smolvlm": build_smolvlm}
+            "smolvlm": build_smolvlm, "qwen2_vl": build_qwen2_vl}
 
 
 def reference(out_dir):
     """The oracle for a tiny vision checkpoint: transformers' model of its family."""
     arch = json.loads((pathlib.Path(out_dir) / "config.json").read_text())["architectures"][0]
     return {"LlavaForConditionalGeneration": LlavaReference,
-            "SmolVLMForConditionalGeneration": SmolVLMReference}.get(arch, Reference)(out_dir)
+            "SmolVLMForConditionalGeneration": SmolVLMReference,
+            "Qwen2VLForConditionalGeneration": Qwen2VLReference}.get(arch, Reference)(out_dir)
+
+
+class Qwen2VLReference:
+    """transformers' Qwen2VLForConditionalGeneration with its image processor; the
+    placeholder expanded as Qwen2VLProcessor does (one <|image_pad|> per merged patch;
+    that processor itself needs torchvision), mm_token_type_ids marking the image tokens
+    (what its multimodal RoPE reads)."""
+
+    def __init__(self, out_dir):
+        from transformers import AutoImageProcessor, Qwen2VLForConditionalGeneration
+        self.model = Qwen2VLForConditionalGeneration.from_pretrained(
+            str(out_dir), attn_implementation="eager").eval()
+        self.processor = AutoImageProcessor.from_pretrained(str(out_dir))
+        self.image_token = self.model.config.image_token_id
+
+    def _pixels(self, images):
+        return self.processor(images=list(images), return_tensors="pt")
+
+    def expand(self, ids: list[int], images) -> list[int]:
+        if not images:
+            return list(ids)
+        counts = iter((self._pixels(images)["image_grid_thw"].prod(-1) // 4).tolist())
+        return [x for t in ids for x in ([t] * next(counts) if t == self.image_token else [t])]
+
+    def generate(self, ids: list[int], images, max_new_tokens: int
+                 ) -> tuple[list[int], list[float]]:
+        import torch
+        full = torch.tensor([self.expand(ids, images)])
+        kw = {}
+        if images:
+            p = self._pixels(images)
+            kw = {"pixel_values": p["pixel_values"], "image_grid_thw": p["image_grid_thw"],
+                  "mm_token_type_ids": (full == self.image_token).int()}
+        self.model.model.rope_deltas = None         # left over from another prompt
+        with torch.no_grad():
+            out = self.model(input_ids=full, use_cache=True, **kw)
+            return greedy_loop(self.model, out, max_new_tokens)
 
 
 class SmolVLMReference:

@@ -306,6 +306,7 @@ def center_crop(x: np.ndarray, height: int, width: int) -> np.ndarray:
 
 # Architecture (wire.model_path.VISION_ARCHITECTURES) -> its image processor
 PROCESSORS = {"Sarashina2VisionForCausalLM": Qwen2VLImages,
+              "Qwen2VLForConditionalGeneration": Qwen2VLImages,
               "LlavaForConditionalGeneration": ClipImages,
               "Idefics3ForConditionalGeneration": Idefics3Images,
               "SmolVLMForConditionalGeneration": Idefics3Images}

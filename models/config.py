@@ -58,6 +58,9 @@ class ModelConfig:
     # The fields above are then its text decoder's.
     vision_architecture: str | None = None
     vision_config: dict | None = None
+    # Qwen2-VL's multimodal RoPE: how many of the head's d/2 frequencies take the temporal,
+    # height and width positions (text tokens have all three equal: plain RoPE).
+    mrope_section: tuple[int, ...] | None = None
 
     @property
     def q_size(self) -> int:
@@ -108,6 +111,7 @@ class ModelConfig:
             raise ValueError(f"{arch} with use_sliding_window=true is not supported")
 
         num_heads = cfg["num_attention_heads"]
+        mrope = (cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}).get("mrope_section")
         rope_theta, rope_scaling = _parse_rope(cfg)
         attention_bias = bool(cfg.get("attention_bias", False))
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
@@ -136,14 +140,18 @@ class ModelConfig:
             dtype=_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
             vision_architecture=vision,
             vision_config=full if vision is not None else None,
+            mrope_section=tuple(mrope) if mrope and vision is not None else None,
         )
 
 
 def _parse_rope(cfg: dict) -> tuple[float, dict | None]:
     """(rope_theta, scaling params or None) from either config dialect."""
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    params.pop("mrope_section", None)           # Qwen2-VL's sections: ModelConfig keeps them
     theta = params.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "mrope":                    # the older spelling of those sections
+        rope_type = "default"
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unsupported rope type {rope_type!r}: zserve supports {ROPE_TYPES}")
     if rope_type == "default":

@@ -209,22 +209,39 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend,
-                embeds: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                embeds: tuple | None = None) -> Tensor:
         """input_ids, positions: [N] -> [N, hidden], the residual stream after the last layer
         (compute_logits applies the final norm, only to the rows that need logits).
-        embeds: (rows [M], values [M, hidden]): those rows take these inputs in place of
-        their tokens' embeddings (an image's encoder output)."""
+        embeds: (rows [M], values [M, hidden], rope [3, M] or None): those rows take these
+        inputs in place of their tokens' embeddings (an image's encoder output), and under
+        multimodal RoPE (config.mrope_section) these [t, h, w] positions."""
         if embeds is None and self.fast is not None and self.fast.takes(attn, positions):
             return self.fast.run(input_ids, positions, attn)    # the same, in one C call
         x = (self.embed_tokens(input_ids) if self.tp is None
              else self._embed_sharded(input_ids))
+        rotary = Rotary(self.cos_sin, positions)
         if embeds is not None:
             x[embeds[0]] = embeds[1].to(x.dtype)
+            if embeds[2] is not None:
+                rotary = self._mrope(positions, embeds[0], embeds[2])
         residual = None
-        rotary = Rotary(self.cos_sin, positions)
         for layer in self.layers:
             x, residual = layer(x, residual, rotary, attn)
         return x + residual
+
+    def _mrope(self, positions: Tensor, rows: Tensor, rope: Tensor) -> Rotary:
+        """Multimodal RoPE (Qwen2-VL): the step's table rows, with image rows made of three:
+        frequency j of the head takes the t, h or w position as mrope_section assigns it
+        (in the cos half and the sin half alike). Text rows, whose three are equal, are the
+        plain table's. The kernels then read this per-row table at 0..N-1."""
+        table = self.cos_sin[positions]
+        sections = torch.repeat_interleave(torch.arange(3, device=table.device),
+                                           torch.tensor(self.config.mrope_section,
+                                                        device=table.device))
+        axis = torch.cat((sections, sections))                         # [D]: 0, 1 or 2
+        three = self.cos_sin[rope]                                     # [3, M, D]
+        table[rows] = three.gather(0, axis.expand(1, rope.shape[1], -1)).squeeze(0)
+        return Rotary(table, torch.arange(positions.shape[0], device=positions.device))
 
     def _embed_sharded(self, input_ids: Tensor) -> Tensor:
         """Vocab-parallel embedding: this rank's rows for the ids in its block, 0 for the

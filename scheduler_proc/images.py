@@ -34,8 +34,10 @@ def image_key(image: ImageFeatures) -> int:
 
 class ImageEmbedder:
     def __init__(self, encoder, device: torch.device, dtype: torch.dtype,
-                 capacity_bytes: int):
+                 capacity_bytes: int, mrope: bool = False):
+        """mrope: the decoder takes multimodal RoPE positions (Qwen2-VL: `place`)."""
         self.encoder = encoder
+        self.mrope = mrope
         self.device, self.dtype = device, dtype
         self.image_token_id = encoder.image_token_id
         self.capacity = capacity_bytes
@@ -65,6 +67,23 @@ class ImageEmbedder:
                         f"{self.encoder.tokens(im.grid)}.")
         return None
 
+    def place(self, req) -> None:
+        """Multimodal RoPE: give req its positions (Req.rope_pos, rope_delta, image_rope):
+        text advances one position a token; an image at position p takes p + its [t, h, w]
+        offsets (encoder.positions) and moves the text on by the positions it spans."""
+        pos, cur, i = [], 0, 0
+        for image, where in zip(req.images or (), req.image_positions):
+            pos += range(cur, cur + image.offset - i)
+            cur += image.offset - i
+            offsets, span = self.encoder.positions(list(image.grid))
+            req.image_rope.append([[cur + o for o in axis] for axis in offsets])
+            pos += [cur] * image.length         # overridden per row by image_rope
+            cur += span
+            i = image.offset + image.length
+        n = len(req.input_ids)
+        pos += range(cur, cur + n - i)
+        req.rope_pos, req.rope_delta = pos, cur + n - i - n
+
     # ---- a step ---------------------------------------------------------------------------
 
     def rows(self, image: ImageFeatures) -> torch.Tensor:
@@ -88,21 +107,25 @@ class ImageEmbedder:
                 self.cached_bytes -= old.numel() * old.element_size()
         return out
 
-    def step_embeds(self, segments) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows of the step's tokens, their inputs) for the image positions the step's
-        segments compute (segments in the order their tokens are laid out), or None."""
-        rows, values = [], []
+    def step_embeds(self, segments) -> tuple | None:
+        """(rows of the step's tokens, their inputs, and under multimodal RoPE their
+        [3, rows] positions, else None) for the image positions the step's segments compute
+        (segments in the order their tokens are laid out), or None."""
+        rows, values, rope = [], [], []
         first_row = 0
         for seg in segments:
             req, start, end = seg.req, seg.start, seg.start + seg.length
-            for image, where in zip(req.images or (), req.image_positions):
+            for k, (image, where) in enumerate(zip(req.images or (), req.image_positions)):
                 if image.offset >= end or image.offset + image.length <= start:
                     continue
                 lo, hi = bisect.bisect_left(where, start), bisect.bisect_left(where, end)
                 if lo < hi:
                     rows.append(torch.tensor(where[lo:hi]) - start + first_row)
                     values.append(self.rows(image)[lo:hi])
+                    if self.mrope:
+                        rope.append(torch.tensor([axis[lo:hi] for axis in req.image_rope[k]]))
             first_row += seg.length
         if not rows:
             return None
-        return torch.cat(rows).to(self.device), torch.cat(values)
+        return (torch.cat(rows).to(self.device), torch.cat(values),
+                torch.cat(rope, dim=1).to(self.device) if rope else None)

@@ -20,7 +20,7 @@ class Req:
                  "prefix_node", "prefix_len", "cached_tokens", "arrived_at", "queue_time",
                  "finish", "announced", "decode_sent", "first_token_at", "generator", "logprob", "input_logprobs",
                  "pending_logprobs", "held_ids", "grammar", "grammar_future", "images",
-                 "image_positions", "key_prompt")
+                 "image_positions", "key_prompt", "rope_pos", "rope_delta", "image_rope")
 
     def __init__(self, msg: TokenizedRequest, device: torch.device | str = "cpu",
                  image_token_id: int | None = None):
@@ -34,6 +34,12 @@ class Req:
         self.images = msg.images or None
         self.image_positions: list[list[int]] = []
         self.key_prompt = self.input_ids
+        # Multimodal RoPE (ImageEmbedder.place): each prompt token's text position, the
+        # shift of the outputs' (position = index + rope_delta), and each image's tokens'
+        # [t, h, w] positions. None: positions are the indices.
+        self.rope_pos: list[int] | None = None
+        self.rope_delta = 0
+        self.image_rope: list[list[list[int]]] = []
         if self.images:
             self.key_prompt = list(self.input_ids)
             for im in self.images:
@@ -120,6 +126,15 @@ class Req:
 
     def token_ids(self, start: int, end: int) -> list[int]:
         return self._ids(self.input_ids, start, end)
+
+    def positions(self, start: int, end: int) -> list[int] | range:
+        """The RoPE positions of tokens start..end-1 (their indices, but under multimodal
+        RoPE, where an image takes fewer positions than tokens)."""
+        if self.rope_pos is None:
+            return range(start, end)
+        n = len(self.rope_pos)
+        return self.rope_pos[start:min(end, n)] + \
+            [p + self.rope_delta for p in range(max(start, n), end)]
 
     def key_ids(self, start: int, end: int) -> list[int]:
         """token_ids as the radix cache keys them: an image's positions by its hash."""

@@ -140,7 +140,8 @@ class ModelRunner:
         # A vision-language model's encoder, run on the images of each step (images.py).
         self.images = (None if self.model.vision is None else ImageEmbedder(
             self.model.vision, self.device, self.dtype,
-            args.image_embedding_cache_mb * 1024 * 1024))
+            args.image_embedding_cache_mb * 1024 * 1024,
+            mrope=self.config.mrope_section is not None))
         torch.manual_seed(args.random_seed)
         log.info("model %s (%s) on %s/%s, KV pool %d tokens (%s), decode attention on %s%s",
                  resolved.model_path, c.architecture, self.device, self.dtype, self.pool_size,
@@ -220,7 +221,7 @@ class ModelRunner:
             req, end = seg.req, seg.start + seg.length
             first_row = len(ids)
             ids += req.token_ids(seg.start, end)
-            positions += range(seg.start, end)
+            positions += req.positions(seg.start, end)
             out_slots += req.slots[seg.start:end]
             if seg.length == 1:
                 decode_rows.append(req.row)
@@ -241,7 +242,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan, req_to_token: torch.Tensor,
                 score: Callable[[int, torch.Tensor], None] | None = None,
-                embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+                embeds: tuple | None = None
                 ) -> torch.Tensor | None:
         """Run a plan: the model over its tokens (the rows in `embeds` taking an image
         encoder's output: CausalLM.forward), then the logits of each score range
@@ -278,7 +279,7 @@ class ModelRunner:
 
     def _execute_shared(self, plan: StepPlan, req_to_token: torch.Tensor,
                         scored: list[tuple[Req, int, int]],
-                        embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+                        embeds: tuple | None = None
                         ) -> torch.Tensor | None:
         """Rank 0 under tensor parallelism: broadcast the plan (with the table writes since
         the last one, and the image rows rank 0's encoder made), execute it with the
@@ -292,6 +293,7 @@ class ModelRunner:
         if embeds is not None:
             plan.embed_rows = embeds[0].tolist()
             plan.embed_values = embeds[1].float().cpu().numpy().tobytes()
+            plan.embed_positions = [] if embeds[2] is None else embeds[2].flatten().tolist()
         score_error: list[Exception] = []
         scorer = self._scorer(scored)
 
@@ -320,8 +322,14 @@ def plan_embeds(plan: StepPlan, device: torch.device, hidden: int
     if values.size != len(plan.embed_rows) * hidden:
         raise ValueError(f"a plan's image rows hold {values.size} values, not "
                          f"{len(plan.embed_rows)} x {hidden}")
+    rope = None
+    if plan.embed_positions:
+        if len(plan.embed_positions) != 3 * len(plan.embed_rows):
+            raise ValueError(f"a plan's image rows have {len(plan.embed_positions)} rope "
+                             f"positions, not 3 x {len(plan.embed_rows)}")
+        rope = torch.tensor(plan.embed_positions, dtype=torch.int64, device=device).view(3, -1)
     return (torch.tensor(plan.embed_rows, dtype=torch.int64, device=device),
-            torch.from_numpy(values.reshape(-1, hidden).copy()).to(device))
+            torch.from_numpy(values.reshape(-1, hidden).copy()).to(device), rope)
 
 
 def _empty_plan(stop: bool = False) -> StepPlan:

@@ -195,6 +195,8 @@ class Scheduler:
             self.fit_pool(msg)
         images = getattr(self.runner, "images", None)
         req = Req(msg, self.runner.device, images.image_token_id if images else None)
+        if images is not None and images.mrope:
+            images.place(req)
         self._expire_early_aborts()
         if self.early_aborts.pop(req.rid, None) is not None:
             self.finish(req, FinishReason(type="abort", message="Aborted by the client."))

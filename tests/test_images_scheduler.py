@@ -64,7 +64,8 @@ def test_chunks_cutting_through_images_take_the_right_rows():
         got = emb.step_embeds(segs)
         if got is None:
             continue
-        rows, values = got
+        rows, values, rope = got
+        assert rope is None                                 # no multimodal RoPE here
         for r, v in zip(rows.tolist(), values[:, 0].tolist()):
             assert r >= 1                                   # never the decode row
             seen[start + r - 1] = v
@@ -80,8 +81,8 @@ def test_only_image_tokens_of_a_span_take_rows():
                         pixels=np.full((2, 2), 3, np.float32).tobytes(), shape=[2, 2],
                         grid=[2])
     req = request(ids, [img])
-    rows, values = ImageEmbedder(Encoder(), torch.device("cpu"), torch.float32,
-                                 1 << 20).step_embeds([Segment(req, 0, 7, True)])
+    rows, values, _ = ImageEmbedder(Encoder(), torch.device("cpu"), torch.float32,
+                                    1 << 20).step_embeds([Segment(req, 0, 7, True)])
     assert rows.tolist() == [2, 4] and values[:, 0].tolist() == [300.0, 301.0]
 
 
@@ -125,3 +126,25 @@ def test_radix_keys_name_the_image_not_its_tokens():
     a.output_ids.append(5)
     assert a.key_ids(3, 5) == [2, 5]
     assert request(ids, []).key_ids(0, 4) == ids
+
+
+class RopeEncoder(Encoder):
+    """Images of n rows laid out 2 to a row (Qwen2-VL's [t, h, w] offsets)."""
+
+    def positions(self, grid):
+        n = grid[0]
+        return [[0] * n, [i // 2 for i in range(n)], [i % 2 for i in range(n)]], (n + 1) // 2
+
+
+def test_multimodal_rope_positions_of_text_and_images():
+    ids = [1, 2, IMG, IMG, IMG, IMG, 3, 4]
+    req = request(ids, [features(1, 2, 4)])
+    emb = ImageEmbedder(RopeEncoder(), torch.device("cpu"), torch.float32, 1 << 20, mrope=True)
+    emb.place(req)
+    # text 0, 1; the image at 2 spans 2 positions (a 2 x 2 grid); text goes on from 4
+    assert req.image_rope == [[[2, 2, 2, 2], [2, 2, 3, 3], [2, 3, 2, 3]]]
+    assert req.positions(0, 2) == [0, 1] and req.positions(6, 8) == [4, 5]
+    req.output_ids += [7, 8]
+    assert req.positions(7, 10) == [5, 6, 7] and req.rope_delta == -2
+    rows, _, rope = emb.step_embeds([Segment(req, 3, 3, False)])  # a chunk from the middle
+    assert rows.tolist() == [0, 1, 2] and rope.tolist() == [[2, 2, 2], [2, 3, 3], [3, 2, 3]]

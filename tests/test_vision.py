@@ -1,6 +1,7 @@
 """End to end: images in, on each tiny vision checkpoint (checkpoints/tiny_vision.py) against
 its transformers reference (LLaVA: LlavaForConditionalGeneration; SmolVLM:
-SmolVLMForConditionalGeneration, its tiles and Idefics3Processor's expansion; Sarashina2-Vision, which
+SmolVLMForConditionalGeneration, its tiles and Idefics3Processor's expansion; Qwen2-VL:
+Qwen2VLForConditionalGeneration, its multimodal RoPE; Sarashina2-Vision, which
 has no transformers class: the composition of Qwen2-VL's vision transformer, LayerNorm and
 LlamaForCausalLM fed inputs_embeds): greedy ids on /generate (image_data) and on
 /v1/chat/completions (image_url parts, through the openai SDK), one and two images per
@@ -29,7 +30,8 @@ N = 8                                   # greedy tokens compared
 # How each family's prompts name an image, and the placeholder the server expands.
 SLOTS = {"sarashina2_vision": (f"{IMAGE_START}{IMAGE}{IMAGE_END}", IMAGE),
          "llava": (LLAVA_IMAGE, LLAVA_IMAGE),
-         "smolvlm": ("<image>", "<image>")}
+         "smolvlm": ("<image>", "<image>"),
+         "qwen2_vl": ("<|vision_start|><|image_pad|><|vision_end|>", "<|image_pad|>")}
 
 
 def picture(w: int, h: int, seed: int) -> Image.Image:
@@ -212,11 +214,13 @@ def test_model_cards_say_it_takes_images(server, llama_server):
     assert r.status_code == 400 and "does not take images" in r.json()["error"]["message"]
 
 
-def test_tensor_parallel_with_prefill_chunks_cutting_through_images(tiny_model, tmp_path):
-    """Two ranks: rank 0 encodes, the rows travel in the step's plan; chunks of 8 positions
-    cut every image (16 and 24 positions) into pieces."""
-    model = tiny_model("sarashina2_vision")
-    oracle, slot = reference(model), SLOTS["sarashina2_vision"][0]
+@pytest.mark.parametrize("name", ["sarashina2_vision", "qwen2_vl"])
+def test_tensor_parallel_with_prefill_chunks_cutting_through_images(tiny_model, tmp_path,
+                                                                    name):
+    """Two ranks: rank 0 encodes, the rows (and Qwen2-VL's multimodal RoPE positions)
+    travel in the step's plan; chunks of 8 positions cut every image into pieces."""
+    model = tiny_model(name)
+    oracle, slot = reference(model), SLOTS[name][0]
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(model))
     texts = [f"A {slot} b", f"Two {slot} then {slot}."]

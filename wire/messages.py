@@ -318,6 +318,7 @@ class StepPlan(WireStruct, tag=14):
     # scheduler_proc/images.py), and those inputs as float32 bytes, [rows, hidden].
     embed_rows: list[int] = field(default_factory=list)
     embed_values: bytes = b""
+    embed_positions: list[int] = field(default_factory=list)   # multimodal RoPE: [3, rows]
 
 
 # ---- scheduler replica -> data-parallel controller (--dp-size > 1) --------------------------

@@ -48,6 +48,7 @@ VISION_ARCHITECTURES = {
     "LlavaForConditionalGeneration": VisionFamily("LlamaForCausalLM"),
     "Idefics3ForConditionalGeneration": VisionFamily("LlamaForCausalLM"),
     "SmolVLMForConditionalGeneration": VisionFamily("LlamaForCausalLM"),
+    "Qwen2VLForConditionalGeneration": VisionFamily("Qwen2ForCausalLM"),
 }
 # A text_config is saved as its difference from the decoder config class's defaults
 # (Sarashina2-Vision-8B's names only its vocabulary, context and norm eps): transformers'
@@ -73,7 +74,9 @@ def decoder_config(config: dict) -> dict:
     arch = vision_architecture(config)
     if arch is None:
         return config
-    text = dict(config.get("text_config") or {})
+    # Older saves (Qwen2-VL's on the hub) keep the decoder's keys at the top level.
+    text = dict(config.get("text_config") or {k: v for k, v in config.items()
+                                               if k not in ("vision_config", "architectures")})
     if not any(a in TEXT_ARCHITECTURES for a in text.get("architectures") or []):
         text["architectures"] = [VISION_ARCHITECTURES[arch].decoder]
     for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id"):

@@ -171,7 +171,47 @@ class Idefics3Encoder(nn.Module):
         return self.connector(self.vision_model(pixels))
 
 
+class Qwen2VLEncoder(nn.Module):
+    """Qwen2-VL itself: its vision transformer and merger (whose output is the decoder's
+    width), and its multimodal RoPE (`positions`): an image's token k (merged row-major,
+    grid_w / merge to a row) sits at time 0, height k // width, width k % width, all
+    offset by the text position where the image starts (the decoder's mrope_section says
+    which frequencies take which)."""
+
+    names = CheckpointNames(decoder="model.language_model.", head="lm_head", encoder="model.",
+                            aliases=(("visual.", "model.visual."),       # older saves
+                                     ("model.layers.", "model.language_model.layers."),
+                                     ("model.embed_tokens.",
+                                      "model.language_model.embed_tokens."),
+                                     ("model.norm.", "model.language_model.norm.")))
+
+    def __init__(self, config: dict, hidden_size: int):
+        super().__init__()
+        vision = config.get("vision_config", {})
+        self.visual = Qwen2VisionTransformer({**vision,
+                                              "hidden_size": vision.get("hidden_size",
+                                                                        hidden_size)})
+
+    def tokens(self, grid: list[int]) -> int:
+        return self.visual.tokens(grid)
+
+    def check(self, shape: list[int], grid: list[int]) -> str | None:
+        return self.visual.check(shape, grid)
+
+    def positions(self, grid: list[int]) -> tuple[list[list[int]], int]:
+        """([t, h, w] offsets of each of the image's tokens, the text positions it takes)."""
+        t, h, w = (grid[0], grid[1] // self.visual.merge, grid[2] // self.visual.merge)
+        k = range(t * h * w)
+        return ([[i // (h * w) for i in k], [i // w % h for i in k], [i % w for i in k]],
+                max(h, w))
+
+    @torch.inference_mode()
+    def forward(self, pixels: Tensor, grid: list[int]) -> Tensor:
+        return self.visual(pixels, grid)
+
+
 ENCODERS = {"Sarashina2VisionForCausalLM": Sarashina2VisionEncoder,
+            "Qwen2VLForConditionalGeneration": Qwen2VLEncoder,
             "LlavaForConditionalGeneration": LlavaEncoder,
             "Idefics3ForConditionalGeneration": Idefics3Encoder,
             "SmolVLMForConditionalGeneration": Idefics3Encoder}
