@@ -16,7 +16,7 @@ import gguf
 import pytest
 from safetensors.torch import load_file, save_file
 
-from models.vision.mmproj import tensor_names
+from models.vision.mmproj import TOWERS, tensor_names
 from tests.reference import first_near_tie
 from tests.server import serving
 from tests.test_gguf import write_gguf
@@ -75,10 +75,10 @@ def write_mmproj(hf: Path, out: Path, family: str) -> Path:
     w.add_array("clip.vision.image_mean", mean)
     w.add_array("clip.vision.image_std", std)
     state = load_file(str(hf / "model.safetensors"))
-    arch = cfg["architectures"][0]
+    arch = "LlavaForConditionalGeneration" if llava else "Idefics3ForConditionalGeneration"
     names = tensor_names(arch, layers)
     ffn = {"fc1": "ffn_down", "fc2": "ffn_up"} if llava else {"fc1": "ffn_up", "fc2": "ffn_down"}
-    tower = "vision.vision_tower." if llava else "vision.vision_model."
+    tower = TOWERS[arch]
     for i in range(layers):
         for ours, theirs in ffn.items():
             for kind in ("weight", "bias"):

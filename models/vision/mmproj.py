@@ -96,6 +96,9 @@ def processor_config(header) -> dict:
                 "max_image_size": {"longest_edge": size}, **norm}}
 
 
+# where each projector type's encoder keeps its vision tower (models/vision ENCODERS)
+TOWERS = {"LlavaForConditionalGeneration": "vision.vision_tower.",
+          "Idefics3ForConditionalGeneration": "vision.vision_model."}
 BLOCK_PARTS = {"layer_norm1": "ln1", "layer_norm2": "ln2", "self_attn.q_proj": "attn_q",
                "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.out_proj": "attn_out"}
@@ -104,8 +107,8 @@ BLOCK_PARTS = {"layer_norm1": "ln1", "layer_norm2": "ln2", "self_attn.q_proj": "
 def tensor_names(arch: str, layers: int) -> dict[str, str]:
     """Our parameter -> the projector file's tensor (llama.cpp's names), but for the blocks'
     MLP matrices (`mlp_names`)."""
+    tower = TOWERS[arch]
     if arch == "LlavaForConditionalGeneration":
-        tower = "vision.vision_tower."
         ours = {f"{tower}embeddings.class_embedding": "v.class_embd",
                 f"{tower}embeddings.patch_embedding.weight": "v.patch_embd.weight",
                 f"{tower}embeddings.position_embedding.weight": "v.position_embd.weight",
@@ -114,7 +117,6 @@ def tensor_names(arch: str, layers: int) -> dict[str, str]:
                 **{f"vision.multi_modal_projector.linear_{i}.{kind}": f"mm.{2 * i - 2}.{kind}"
                    for i in (1, 2) for kind in ("weight", "bias")}}
     else:
-        tower = "vision.vision_model."
         ours = {f"{tower}embeddings.patch_embedding.weight": "v.patch_embd.weight",
                 f"{tower}embeddings.patch_embedding.bias": "v.patch_embd.bias",
                 f"{tower}embeddings.position_embedding.weight": "v.position_embd.weight",
@@ -131,8 +133,7 @@ def tensor_names(arch: str, layers: int) -> dict[str, str]:
 def mlp_names(header, arch: str, layers: int) -> dict[str, str]:
     """Each block's fc1 and fc2 (weight, bias) -> the file's ffn_up / ffn_down, by shape:
     fc1's weight maps the width to the wider hidden layer."""
-    tower = "vision.vision_tower." if arch == "LlavaForConditionalGeneration" \
-        else "vision.vision_model."
+    tower = TOWERS[arch]
     width = _meta(header, "clip.vision.embedding_length")
     out = {}
     for i in range(layers):
