@@ -128,24 +128,26 @@ def test_input_ids_and_a_local_file(server, oracle, tokenizer, slot, media_dir):
     assert out["output_ids"][:n] == want[:n]
 
 
-def test_chat_completions_with_image_url_parts(server, oracle, tokenizer):
-    content = [{"type": "text", "text": "Compare "},
-               {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64png(DOG)}"}},
-               {"type": "text", "text": " with "},
-               {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64png(CAT)}"}}]
+@pytest.mark.parametrize("images", [[DOG], [DOG, CAT]], ids=["one", "two"])
+def test_chat_completions_with_image_url_parts(server, oracle, tokenizer, images):
+    content = [{"type": "text", "text": "Compare "}]
+    for im in images:
+        content += [{"type": "image_url",
+                     "image_url": {"url": f"data:image/png;base64,{b64png(im)}"}},
+                    {"type": "text", "text": " with "}]
     template = [{"role": "user", "content": [
         {"type": "image"} if p["type"] == "image_url" else p for p in content]}]
     ids = tokenizer.apply_chat_template(template, add_generation_prompt=True, tokenize=True,
                                         return_dict=False)
-    want, n = expected(oracle, list(ids), [DOG, CAT])
+    want, n = expected(oracle, list(ids), images)
     with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
         r = client.chat.completions.create(
             model="default", messages=[{"role": "user", "content": content}], max_tokens=N,
             temperature=0, extra_body={"ignore_eos": True})
     # The chat route's prompt is the template's: the same ids as transformers renders, so
     # its answer is the text of the greedy ids of that prompt, which are the reference's.
-    ours = server.generate_ok(**greedy(input_ids=list(ids), image_data=[b64png(DOG),
-                                                                       b64png(CAT)]))
+    ours = server.generate_ok(**greedy(input_ids=list(ids),
+                                       image_data=[b64png(im) for im in images]))
     assert ours["output_ids"][:n] == want[:n]
     assert r.usage.prompt_tokens == ours["meta_info"]["prompt_tokens"]
     assert r.choices[0].message.content == tokenizer.decode(ours["output_ids"],
