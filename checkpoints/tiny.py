@@ -211,6 +211,9 @@ _FAMILY_CONFIG = {
     "qwen3": dict(tie_word_embeddings=False, head_dim=32, attention_bias=False,
                   use_sliding_window=False),
     "mistral": dict(tie_word_embeddings=True, sliding_window=None),
+    # not in FAMILIES (the shared test matrix): tests/test_smollm3.py builds it itself.
+    # Every second layer without RoPE, so both kinds run in two layers.
+    "smollm3": dict(tie_word_embeddings=False, no_rope_layer_interval=2),
 }
 
 

@@ -24,6 +24,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "SmolLM3ForCausalLM": "smollm3",    # Llama with no RoPE on every no_rope_layer_interval-th
 }
 ROPE_TYPES = ("default", "llama3")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -32,7 +33,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     architecture: str               # e.g. "Qwen3ForCausalLM"
-    family: str                     # "llama" | "mistral" | "qwen2" | "qwen3"
+    family: str                     # "llama" | "mistral" | "qwen2" | "qwen3" | "smollm3"
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -61,6 +62,9 @@ class ModelConfig:
     # Qwen2-VL's multimodal RoPE: how many of the head's d/2 frequencies take the temporal,
     # height and width positions (text tokens have all three equal: plain RoPE).
     mrope_section: tuple[int, ...] | None = None
+    # SmolLM3: 1 for a layer that rotates q and k, 0 for one that does not (NoPE); None:
+    # every layer does.
+    rope_layers: tuple[int, ...] | None = None
 
     @property
     def q_size(self) -> int:
@@ -130,8 +134,8 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             qkv_bias={"qwen2": True, "mistral": False}.get(family, attention_bias),
-            o_bias=family in ("llama", "qwen3") and attention_bias,
-            mlp_bias=family == "llama" and bool(cfg.get("mlp_bias", False)),
+            o_bias=family in ("llama", "qwen3", "smollm3") and attention_bias,
+            mlp_bias=family in ("llama", "smollm3") and bool(cfg.get("mlp_bias", False)),
             qk_norm=family == "qwen3",
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             sliding_window=cfg.get("sliding_window") if family == "mistral" else None,
@@ -141,6 +145,7 @@ class ModelConfig:
             vision_architecture=vision,
             vision_config=full if vision is not None else None,
             mrope_section=tuple(mrope) if mrope and vision is not None else None,
+            rope_layers=_rope_layers(cfg) if family == "smollm3" else None,
         )
 
 
@@ -159,6 +164,19 @@ def _parse_rope(cfg: dict) -> tuple[float, dict | None]:
     params["rope_type"] = rope_type
     params.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
     return float(theta), params
+
+
+def _rope_layers(cfg: dict) -> tuple[int, ...]:
+    """SmolLM3's no_rope_layers (1: RoPE; 0: none), or the pattern its interval makes:
+    every no_rope_layer_interval-th layer without (transformers' default)."""
+    layers = cfg.get("no_rope_layers")
+    if layers is None:
+        every = cfg.get("no_rope_layer_interval", 4)
+        layers = [int((i + 1) % every != 0) for i in range(cfg["num_hidden_layers"])]
+    if len(layers) != cfg["num_hidden_layers"]:
+        raise ValueError(f"no_rope_layers has {len(layers)} entries for "
+                         f"{cfg['num_hidden_layers']} layers")
+    return tuple(int(bool(x)) for x in layers)
 
 
 def _eos_ids(cfg: dict, generation: dict) -> list[int]:

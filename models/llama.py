@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in plain torch.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3) in plain torch.
 
 The model runs over a flat, ragged batch: N tokens from any number of requests, each token
 with its own position. Everything that mixes tokens of one request lives in the `attn`
@@ -10,7 +10,8 @@ token, so the batch layout never matters to this file.
         v may be a strided view). o: [N, num_heads, head_dim]. Softmax scale is head_dim**-0.5.
 
 The families differ only in config flags (see ModelConfig): qkv/o/mlp biases, Qwen3's
-per-head q/k RMSNorm, tied embeddings and the RoPE frequencies. q/k/v and gate/up are fused
+per-head q/k RMSNorm, SmolLM3's layers without RoPE, tied embeddings and the RoPE
+frequencies. q/k/v and gate/up are fused
 into one matmul each; the loader fills the fused weights from the checkpoint's parts.
 Tensor parallelism (`tp`, a group of models/distributed.py with size > 1): the module is built
 with this rank's share of the heads, MLP columns and vocabulary (models/tp.py: Shard), and
@@ -108,6 +109,8 @@ class SelfAttention(nn.Module):
                        if config.o_bias and tp is not None else None)
         # Qwen3 normalizes each head of q and k (over head_dim) before RoPE; others don't.
         self.qk_norm = config.qk_norm
+        # SmolLM3's NoPE layers leave q and k as they are.
+        self.rope = config.rope_layers is None or bool(config.rope_layers[layer_id])
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -120,6 +123,9 @@ class SelfAttention(nn.Module):
             q = rope_(self.q_norm(qkv[:, :self.q_size].view(-1, heads, d)), rotary)
             k = rope_(self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size]
                                   .view(-1, kv_heads, d)), rotary)
+        elif not self.rope:
+            qk = qkv[:, :self.q_size + self.kv_size].view(-1, heads + kv_heads, d)
+            q, k = qk[:, :heads], qk[:, heads:]
         else:                   # q and k heads sit side by side: rotate them in one pass
             qk = rope_(qkv[:, :self.q_size + self.kv_size].view(-1, heads + kv_heads, d),
                        rotary)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config,
-                          Qwen3Config)
+                          Qwen3Config, SmolLM3Config)
 
 from model_helpers import DenseCausalAttention
 from models import ModelConfig, load_model
@@ -27,6 +27,9 @@ FAMILIES = {
     "qwen2": lambda: Qwen2Config(**SMALL),                          # qkv bias
     "qwen3": lambda: Qwen3Config(**SMALL, head_dim=32),             # 32 != 64/4; q/k norm
     "mistral": lambda: MistralConfig(**SMALL, sliding_window=4096),
+    # every second layer without RoPE (NoPE), biased q/k/v/o
+    "smollm3": lambda: SmolLM3Config(**SMALL, no_rope_layer_interval=2, attention_bias=True,
+                                     pad_token_id=0),
 }
 
 

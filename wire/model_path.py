@@ -22,7 +22,7 @@ from pathlib import Path
 # Hugging Face architecture names zserve implements (models/config.py maps
 # each to its family).
 TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                      "Qwen3ForCausalLM")
+                      "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
