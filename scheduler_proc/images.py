@@ -115,7 +115,10 @@ class ImageEmbedder:
         first_row = 0
         for seg in segments:
             req, start, end = seg.req, seg.start, seg.start + seg.length
-            for k, (image, where) in enumerate(zip(req.images or (), req.image_positions)):
+            if not req.images or start >= len(req.input_ids):   # text, or a decode row
+                first_row += seg.length
+                continue
+            for k, (image, where) in enumerate(zip(req.images, req.image_positions)):
                 if image.offset >= end or image.offset + image.length <= start:
                     continue
                 lo, hi = bisect.bisect_left(where, start), bisect.bisect_left(where, end)

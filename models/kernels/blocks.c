@@ -43,9 +43,8 @@ enum {                                   /* gguf.GGMLQuantizationType */
     GGML_IQ4_NL = 20, GGML_IQ4_XS = 23,
 };
 
-/* IQ4_NL's and IQ4_XS's 16 values (gguf-py: IQ4_NL.kvalues). */
-static const int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                   1, 13, 25, 38, 53, 69, 89, 113};
+/* IQ4_NL's and IQ4_XS's 16 values (simd.h). */
+static const int8_t KVALUES[16] = {IQ4_KVALUES};
 
 /* Bytes of one block, by ggml type; 0 for a type not served here. */
 static inline int64_t block_bytes(int type) {

@@ -476,8 +476,7 @@ INLINE VTARGET void tile_iq4_vnni(const int xs, TILE_PARAMS) {
     (void)sx;
     const int64_t bsize = xs ? 1088 : 144, subs = xs ? 8 : 1, per = xs ? 8 : 1;
     const __m512i low = _mm512_set1_epi8(0x0F);
-    const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(
-        -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+    const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(IQ4_KVALUES));
     __m256 acc[MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t B = 0; B < nb / per; B++) {

@@ -114,13 +114,14 @@ INLINE TARGET_AVX2 __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-/* IQ4_NL's and IQ4_XS's 16 values (gguf-py: IQ4_NL.kvalues) for every byte of `nibbles`
- * (its low 4 bits; a byte with bit 7 set gives 0): one vpshufb. blocks.c and quant.c. */
+/* IQ4_NL's and IQ4_XS's 16 values (gguf-py: IQ4_NL.kvalues), the one spelling of them:
+ * blocks.c's scalar table, iq4_values below and quant.c's VNNI tile take them from here. */
+#define IQ4_KVALUES -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113
+
+/* Those values for every byte of `nibbles` (its low 4 bits; a byte with bit 7 set gives
+ * 0): one vpshufb. blocks.c and quant.c. */
 INLINE TARGET_AVX2 __m256i iq4_values(__m256i nibbles) {
-    const __m256i table = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10,
-                                           1, 13, 25, 38, 53, 69, 89, 113,
-                                           -127, -104, -83, -65, -49, -35, -22, -10,
-                                           1, 13, 25, 38, 53, 69, 89, 113);
+    const __m256i table = _mm256_setr_epi8(IQ4_KVALUES, IQ4_KVALUES);
     return _mm256_shuffle_epi8(table, nibbles);
 }
 

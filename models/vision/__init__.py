@@ -52,29 +52,6 @@ class CheckpointNames:
 TEXT_NAMES = CheckpointNames()
 
 
-class Sarashina2VisionEncoder(nn.Module):
-    """Sarashina2-Vision (SGLang's sarashina2_vision.py): Qwen2-VL's vision transformer,
-    its merger included, then a LayerNorm (torch's default eps) over the decoder's width."""
-
-    names = CheckpointNames(decoder="llm.model.", head="llm.lm_head", encoder="")
-
-    def __init__(self, config: dict, hidden_size: int):
-        super().__init__()
-        self.visual = Qwen2VisionTransformer({**config.get("vision_config", {}),
-                                              "hidden_size": hidden_size})
-        self.norm = nn.LayerNorm(hidden_size)
-
-    def tokens(self, grid: list[int]) -> int:
-        return self.visual.tokens(grid)
-
-    def check(self, shape: list[int], grid: list[int]) -> str | None:
-        return self.visual.check(shape, grid)
-
-    @torch.inference_mode()
-    def forward(self, pixels: Tensor, grid: list[int]) -> Tensor:
-        return self.norm(self.visual(pixels, grid))
-
-
 class Projector(nn.Module):
     """LLaVA's multi_modal_projector: linear, activation, linear."""
 
@@ -208,6 +185,23 @@ class Qwen2VLEncoder(nn.Module):
     @torch.inference_mode()
     def forward(self, pixels: Tensor, grid: list[int]) -> Tensor:
         return self.visual(pixels, grid)
+
+
+class Sarashina2VisionEncoder(Qwen2VLEncoder):
+    """Sarashina2-Vision (SGLang's sarashina2_vision.py): Qwen2-VL's vision transformer,
+    its merger included, then a LayerNorm (torch's default eps) over the decoder's width;
+    its Llama decoder takes plain positions (no multimodal RoPE)."""
+
+    names = CheckpointNames(decoder="llm.model.", head="llm.lm_head", encoder="")
+
+    def __init__(self, config: dict, hidden_size: int):
+        super().__init__({"vision_config": {**config.get("vision_config", {}),
+                                            "hidden_size": hidden_size}}, hidden_size)
+        self.norm = nn.LayerNorm(hidden_size)
+
+    @torch.inference_mode()
+    def forward(self, pixels: Tensor, grid: list[int]) -> Tensor:
+        return self.norm(self.visual(pixels, grid))
 
 
 ENCODERS = {"Sarashina2VisionForCausalLM": Sarashina2VisionEncoder,
