@@ -92,12 +92,6 @@ def resolve_args(args: ServerArgs) -> ServerConfig:
     if args.tp_size > facts.num_attention_heads > 0:
         raise StartupError(f"--tp-size {args.tp_size}: the model has only "
                            f"{facts.num_attention_heads} attention heads to split")
-    window = facts.sliding_window
-    if window is not None and context > window:
-        # Attention here is full attention: exact only while sequences fit in the window.
-        log.warning("the model uses sliding-window attention (%d); serving a context length "
-                    "of %d instead of %d", window, window, context)
-        context = window
     quantization = resolve_quantization(args, is_gguf)
     dtype = concrete_dtype(args.dtype, args.device)
     return ServerConfig(args, model_path=path, tokenizer_path=args.tokenizer_path or path,

@@ -211,10 +211,27 @@ _FAMILY_CONFIG = {
     "qwen3": dict(tie_word_embeddings=False, head_dim=32, attention_bias=False,
                   use_sliding_window=False),
     "mistral": dict(tie_word_embeddings=True, sliding_window=None),
+    # not in FAMILIES: Mistral with a window of 8 and head_dim 32 (decode rows on our
+    # attention kernel, through the window's table), for tests/test_engine.py.
+    "mistral_window": dict(tie_word_embeddings=True, sliding_window=8, head_dim=32),
     # not in FAMILIES (the shared test matrix): tests/test_smollm3.py builds it itself.
     # Every second layer without RoPE, so both kinds run in two layers.
     "smollm3": dict(tie_word_embeddings=False, no_rope_layer_interval=2),
+    # Gemma (tests/test_gemma.py): a local then a global layer, a window of 8 positions so
+    # every test prompt reaches past it, a query scale that is not head_dim's, GeGLU.
+    # Gemma 2's score cap is low enough to bite (its models use 50). Untied: a tied
+    # Gemma's logits would be the embedding scaled down by sqrt(hidden) (_init_weights).
+    "gemma2": dict(tie_word_embeddings=False, head_dim=16, query_pre_attn_scalar=24,
+                   sliding_window=8, attn_logit_softcapping=10.0, final_logit_softcapping=30.0,
+                   hidden_activation="gelu_pytorch_tanh"),
+    "gemma3": dict(tie_word_embeddings=False, head_dim=32, query_pre_attn_scalar=48,
+                   sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                   hidden_activation="gelu_pytorch_tanh"),
 }
+# transformers' model_type where it is not the family's name.
+_MODEL_TYPE = {"gemma3": "gemma3_text", "mistral_window": "mistral"}
+# Gemma's norms scale by (1 + weight) and its embeddings by sqrt(hidden_size).
+_GEMMA = ("gemma2", "gemma3")
 
 
 def _config(family: str, vocab_size: int, special_ids: dict[str, int], overrides: dict):
@@ -225,7 +242,7 @@ def _config(family: str, vocab_size: int, special_ids: dict[str, int], overrides
     kwargs = {**_BASE_CONFIG, **_FAMILY_CONFIG[family], **overrides}
     kwargs.update(vocab_size=vocab_size, bos_token_id=special_ids[BOS],
                   eos_token_id=special_ids[EOS], pad_token_id=special_ids[PAD])
-    config = AutoConfig.for_model(family, **kwargs)
+    config = AutoConfig.for_model(_MODEL_TYPE.get(family, family), **kwargs)
     config.dtype = "float32"
     return config
 
@@ -277,12 +294,15 @@ def _init_weights(model, family: str, seed: int) -> None:
         for name, param in sorted(model.named_parameters()):
             u = _uniform(param.shape, _stable_seed(seed, family, name))
             leaf = name.split(".")[-2]  # e.g. "q_proj" from "...self_attn.q_proj.weight"
+            offset = 1.0 if family in _GEMMA else 0.0    # Gemma scales by (1 + weight)
             if name == "model.norm.weight":
-                value = FINAL_NORM_GAIN * (1.0 + NORM_NOISE * u)
+                value = FINAL_NORM_GAIN * (1.0 + NORM_NOISE * u) - offset
             elif name.endswith("norm.weight"):
-                value = 1.0 + NORM_NOISE * u
+                value = 1.0 + NORM_NOISE * u - offset
             elif name.endswith(".bias"):
                 value = BIAS_SCALE * u
+            elif leaf == "embed_tokens" and family in _GEMMA:   # std 1 once scaled by sqrt(d)
+                value = sqrt3 * u / math.sqrt(param.shape[1])
             elif leaf in ("embed_tokens", "lm_head"):
                 value = sqrt3 * u
             elif leaf in _LINEAR:
@@ -351,15 +371,15 @@ def _install(tmp: pathlib.Path, final: pathlib.Path) -> pathlib.Path:
 
 def ensure_checkpoint(family: str = "llama", root=None) -> pathlib.Path:
     """The cached tiny checkpoint for `family` (seed 0, default config; a text family of
-    FAMILIES or a vision one of tiny_vision.VISION_FAMILIES), built on first use.
+    _FAMILY_CONFIG or a vision one of tiny_vision.VISION_FAMILIES), built on first use.
 
     Lives in root (default: default_cache_root()) / tiny-{family}-v{CHECKPOINT_VERSION}. The
     directory only ever appears complete: it is built under a temporary name in the same
     parent and renamed into place, so concurrent callers are safe."""
     from checkpoints.tiny_vision import BUILDERS, VISION_FAMILIES
-    if family not in FAMILIES + VISION_FAMILIES:
+    if family not in (*_FAMILY_CONFIG, *VISION_FAMILIES):
         raise ValueError(f"unknown family {family!r}; expected one of "
-                         f"{FAMILIES + VISION_FAMILIES}")
+                         f"{(*_FAMILY_CONFIG, *VISION_FAMILIES)}")
     root = pathlib.Path(root) if root is not None else default_cache_root()
     root = root.expanduser().absolute()  # children may run with another cwd
     final = root / checkpoint_dir_name(family)

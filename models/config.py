@@ -25,15 +25,32 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "SmolLM3ForCausalLM": "smollm3",    # Llama with no RoPE on every no_rope_layer_interval-th
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
+# Gemma's layer (models/gemma.py): (1 + weight) RMSNorms before and after attention and MLP,
+# GeGLU, embeddings scaled by sqrt(hidden), local (sliding) and global layers.
+GEMMA_FAMILIES = ("gemma2", "gemma3")
+# config.json's hidden_act -> the MLP's gate activation (ops.act_and_mul).
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 ROPE_TYPES = ("default", "llama3")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """What one layer's attention computes beyond softmax(q k^T) v (the attention backend
+    applies it: scheduler_proc/attention.py)."""
+
+    scale: float | None             # on q k^T; None: head_dim ** -0.5 (SDPA's default)
+    window: int | None = None       # attend only positions > p - window (None: all <= p)
+    softcap: float | None = None    # scores -> softcap * tanh(scores / softcap)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     architecture: str               # e.g. "Qwen3ForCausalLM"
-    family: str                     # "llama" | "mistral" | "qwen2" | "qwen3" | "smollm3"
+    family: str                     # a value of ARCHITECTURES
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -50,7 +67,10 @@ class ModelConfig:
     mlp_bias: bool                  # llama only (`mlp_bias`)
     qk_norm: bool                   # qwen3: per-head RMSNorm on q and k before RoPE
     tie_word_embeddings: bool
-    sliding_window: int | None      # mistral v0.1; the model ignores it, attention must apply it
+    # Sliding-window attention: a query at position p attends positions > p - sliding_window
+    # on the layers `layer_windows` marks (transformers' sliding_window_overlay); every layer
+    # when layer_windows is None. None: full attention everywhere.
+    sliding_window: int | None
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     dtype: torch.dtype | None = None  # the checkpoint's dtype, informational
@@ -65,6 +85,25 @@ class ModelConfig:
     # SmolLM3: 1 for a layer that rotates q and k, 0 for one that does not (NoPE); None:
     # every layer does.
     rope_layers: tuple[int, ...] | None = None
+    # Per layer, 1 for a sliding-window (local) layer and 0 for a full (global) one: Gemma's
+    # layer_types. None: every layer the same (windowed iff sliding_window is set).
+    layer_windows: tuple[int, ...] | None = None
+    hidden_act: str = "silu"                  # a value of ACTIVATIONS
+    attn_scale: float | None = None           # softmax scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None         # Gemma 2: scores = cap * tanh(scores / cap)
+    final_softcap: float | None = None        # Gemma 2: the same on the logits
+    local_rope_theta: float | None = None     # Gemma 3's sliding layers' RoPE base
+
+    @property
+    def gemma(self) -> bool:
+        return self.family in GEMMA_FAMILIES
+
+    def attention_layers(self) -> tuple[LayerAttention, ...]:
+        """Each layer's attention: its softmax scale, window and score cap."""
+        scale = self.attn_scale
+        windows = self.layer_windows or (1,) * self.num_layers
+        return tuple(LayerAttention(scale, self.sliding_window if w else None,
+                                    self.attn_softcap) for w in windows)
 
     @property
     def q_size(self) -> int:
@@ -109,14 +148,20 @@ class ModelConfig:
                 f"unsupported architecture {archs or cfg.get('model_type')!r}: "
                 f"zserve supports {sorted(ARCHITECTURES)}")
         family = ARCHITECTURES[arch]
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (only 'silu')")
+        gemma = family in GEMMA_FAMILIES
+        # Gemma's configs name it hidden_activation (older ones hidden_act too).
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {act!r}: zserve supports "
+                             f"{sorted(ACTIVATIONS)}")
         if cfg.get("use_sliding_window"):   # qwen2/qwen3 per-layer sliding windows
             raise ValueError(f"{arch} with use_sliding_window=true is not supported")
+        if cfg.get("use_bidirectional_attention"):     # EmbeddingGemma: not a decoder
+            raise ValueError(f"{arch} with use_bidirectional_attention=true is not supported")
 
         num_heads = cfg["num_attention_heads"]
         mrope = (cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}).get("mrope_section")
-        rope_theta, rope_scaling = _parse_rope(cfg)
+        rope_theta, rope_scaling, local_theta = _parse_rope(cfg)
         attention_bias = bool(cfg.get("attention_bias", False))
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
         return cls(
@@ -136,9 +181,10 @@ class ModelConfig:
             qkv_bias={"qwen2": True, "mistral": False}.get(family, attention_bias),
             o_bias=family in ("llama", "qwen3", "smollm3") and attention_bias,
             mlp_bias=family in ("llama", "smollm3") and bool(cfg.get("mlp_bias", False)),
-            qk_norm=family == "qwen3",
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            sliding_window=cfg.get("sliding_window") if family == "mistral" else None,
+            qk_norm=family in ("qwen3", "gemma3"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+            sliding_window=(cfg.get("sliding_window") if family == "mistral" or gemma
+                            else None),
             eos_token_ids=_eos_ids(cfg, generation or {}),
             bos_token_id=cfg.get("bos_token_id"),
             dtype=_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
@@ -146,12 +192,30 @@ class ModelConfig:
             vision_config=full if vision is not None else None,
             mrope_section=tuple(mrope) if mrope and vision is not None else None,
             rope_layers=_rope_layers(cfg) if family == "smollm3" else None,
+            layer_windows=_layer_windows(cfg, family) if gemma else None,
+            hidden_act=ACTIVATIONS[act],
+            attn_scale=(float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma
+                        else None),
+            attn_softcap=_positive(cfg.get("attn_logit_softcapping")) if gemma else None,
+            final_softcap=_positive(cfg.get("final_logit_softcapping")) if gemma else None,
+            local_rope_theta=local_theta if family == "gemma3" else None,
         )
 
 
-def _parse_rope(cfg: dict) -> tuple[float, dict | None]:
-    """(rope_theta, scaling params or None) from either config dialect."""
+def _parse_rope(cfg: dict) -> tuple[float, dict | None, float | None]:
+    """(rope_theta, scaling params or None, the local layers' theta or None) from either
+    config dialect. Gemma 3's rope_parameters hold one set per layer type
+    ({"full_attention": ..., "sliding_attention": ...}); its older configs say rope_theta
+    and rope_local_base_freq."""
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    local = cfg.get("rope_local_base_freq")
+    if "full_attention" in params or "sliding_attention" in params:
+        local_params = params.get("sliding_attention") or {}
+        local = local_params.get("rope_theta", local)
+        if (local_params.get("rope_type") or "default") != "default":
+            raise ValueError(f"unsupported rope type {local_params['rope_type']!r} on the "
+                             f"sliding-window layers: zserve supports 'default' there")
+        params = dict(params.get("full_attention") or {})
     params.pop("mrope_section", None)           # Qwen2-VL's sections: ModelConfig keeps them
     theta = params.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
     rope_type = params.get("rope_type") or params.get("type") or "default"
@@ -159,11 +223,32 @@ def _parse_rope(cfg: dict) -> tuple[float, dict | None]:
         rope_type = "default"
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unsupported rope type {rope_type!r}: zserve supports {ROPE_TYPES}")
+    local = None if local is None else float(local)
     if rope_type == "default":
-        return float(theta), None
+        return float(theta), None, local
     params["rope_type"] = rope_type
     params.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
-    return float(theta), params
+    return float(theta), params, local
+
+
+def _layer_windows(cfg: dict, family: str) -> tuple[int, ...]:
+    """Gemma's layer_types as 1 (sliding_attention) / 0 (full_attention), or the pattern
+    transformers derives without them: Gemma 2 alternates (local first), Gemma 3 has one
+    global layer in every sliding_window_pattern (6)."""
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        every = 2 if family == "gemma2" else cfg.get("sliding_window_pattern", 6)
+        return tuple(int((i + 1) % every != 0) for i in range(n))
+    if len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"layer_types must name sliding_attention or full_attention for "
+                         f"each of the {n} layers, not {types!r}")
+    return tuple(int(t == "sliding_attention") for t in types)
+
+
+def _positive(value) -> float | None:
+    """A soft-capping value: None or 0 (transformers' 'off') -> None."""
+    return float(value) if value else None
 
 
 def _rope_layers(cfg: dict) -> tuple[int, ...]:

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3) in plain torch.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3; Gemma 2 and 3 with their own
+layer: gemma.py) in plain torch.
 
 The model runs over a flat, ragged batch: N tokens from any number of requests, each token
 with its own position. Everything that mixes tokens of one request lives in the `attn`
@@ -7,7 +8,8 @@ token, so the batch layout never matters to this file.
 
     attn(layer_id, q, k, v) -> o
         q: [N, num_heads, head_dim]; k, v: [N, num_kv_heads, head_dim]  (RoPE already applied;
-        v may be a strided view). o: [N, num_heads, head_dim]. Softmax scale is head_dim**-0.5.
+        v may be a strided view). o: [N, num_heads, head_dim]. The softmax scale, sliding
+        window and score cap of each layer are config.attention_layers()'s.
 
 The families differ only in config flags (see ModelConfig): qkv/o/mlp biases, Qwen3's
 per-head q/k RMSNorm, SmolLM3's layers without RoPE, tied embeddings and the RoPE
@@ -26,6 +28,7 @@ residual inside the next norm (`norm(x, residual)`), as vLLM does, to fuse the t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Protocol
 
@@ -36,7 +39,8 @@ from torch import Tensor, nn
 from models.distributed import SOLO
 
 from .config import ModelConfig
-from .ops import Rotary, rms_norm, rope_, silu_and_mul
+from .gemma import GemmaDecoderLayer, GemmaRMSNorm
+from .ops import ACT_AND_MUL, Rotary, rms_norm, rope_
 from .tp import Shard
 from .vision import build_encoder
 
@@ -78,11 +82,18 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None)
 
 
 def rope_cos_sin(config: ModelConfig, device: torch.device | str | None = None) -> Tensor:
-    """[max_positions, head_dim] float32 table: cos(p * f) in the first half, sin in the second."""
+    """[max_positions, head_dim] float32 table: cos(p * f) in the first half, sin in the second.
+    (Gemma 3's local layers: rope_cos_sin(local_rope_config(config)).)"""
     inv_freq = rope_inv_freq(config, device)
     positions = torch.arange(config.max_position_embeddings, device=device).float()
     freqs = torch.outer(positions, inv_freq)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def local_rope_config(config: ModelConfig) -> ModelConfig:
+    """The config whose RoPE table Gemma 3's sliding-window layers use: their own base, no
+    scaling."""
+    return dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
 
 
 # Under tensor parallelism a row-parallel layer's bias is a parameter of its own, added once
@@ -111,9 +122,13 @@ class SelfAttention(nn.Module):
         self.qk_norm = config.qk_norm
         # SmolLM3's NoPE layers leave q and k as they are.
         self.rope = config.rope_layers is None or bool(config.rope_layers[layer_id])
+        # Gemma 3's sliding-window layers rotate by their own table (CausalLM.forward).
+        self.local_rope = (config.local_rope_theta is not None
+                           and bool(config.layer_windows[layer_id]))
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            norm = GemmaRMSNorm if config.gemma else RMSNorm
+            self.q_norm = norm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = norm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, x: Tensor, rotary: Rotary, attn: AttentionBackend) -> Tensor:
         qkv = self.qkv_proj(x)
@@ -147,9 +162,10 @@ class MLP(nn.Module):
                                    bias=config.mlp_bias and tp is None)
         self.down_bias = (nn.Parameter(torch.empty(config.hidden_size))
                           if config.mlp_bias and tp is not None else None)
+        self.act_and_mul = ACT_AND_MUL[config.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
-        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
         if self.tp is not None:
             out = _join_row_parallel(self.tp, out, self.down_bias)
         return out
@@ -201,13 +217,25 @@ class CausalLM(nn.Module):
         config = self.shard.config if self.shard is not None else config
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.tp)
-                                    for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.gemma:
+            self.layers = nn.ModuleList(
+                GemmaDecoderLayer(config, SelfAttention(config, i, self.tp),
+                                  MLP(config, self.tp)) for i in range(config.num_layers))
+            self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        else:
+            self.layers = nn.ModuleList(DecoderLayer(config, i, self.tp)
+                                        for i in range(config.num_layers))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Gemma scales the embeddings by sqrt(hidden_size), rounded to the model dtype.
+        self.embed_scale = config.hidden_size ** 0.5 if config.gemma else None
+        self.attention_layers = config.attention_layers()   # what the backend applies
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         # Built on the CPU even when the module is built on `meta`; load_model moves and casts it.
         self.register_buffer("cos_sin", rope_cos_sin(config, device="cpu"), persistent=False)
+        self.register_buffer("cos_sin_local", None if config.local_rope_theta is None else
+                             rope_cos_sin(local_rope_config(config), device="cpu"),
+                             persistent=False)
         self.fast = None        # a FastDecode (fast_decode.py), set by load_model where it applies
         # A vision-language model's image encoder (models/vision/), else None: whole on
         # every rank (small next to the decoder), run by rank 0 alone (runner.py).
@@ -225,14 +253,18 @@ class CausalLM(nn.Module):
             return self.fast.run(input_ids, positions, attn)    # the same, in one C call
         x = (self.embed_tokens(input_ids) if self.tp is None
              else self._embed_sharded(input_ids))
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         rotary = Rotary(self.cos_sin, positions)
         if embeds is not None:
             x[embeds[0]] = embeds[1].to(x.dtype)
             if embeds[2] is not None:
                 rotary = self._mrope(positions, embeds[0], embeds[2])
+        local = None if self.cos_sin_local is None else Rotary(self.cos_sin_local, positions)
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, rotary, attn)
+            x, residual = layer(x, residual,
+                                local if layer.self_attn.local_rope else rotary, attn)
         return x + residual
 
     def _mrope(self, positions: Tensor, rows: Tensor, rope: Tensor) -> Rotary:
@@ -269,7 +301,11 @@ class CausalLM(nn.Module):
             logits = F.linear(x, self.embed_tokens.weight)
         else:
             logits = self.lm_head(x)
-        if self.tp is None:
-            return logits.float()
-        logits = self.tp.gather_vocab(logits)
-        return None if logits is None else logits[:, :self.vocab_size].float()
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits)
+            if logits is None:
+                return None
+            logits = logits[:, :self.vocab_size]
+        if (cap := self.config.final_softcap) is not None:      # in the model dtype, as HF
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

@@ -111,6 +111,8 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.d
     if rope_freqs is not None:          # a GGUF's Llama 3 rope scaling, as llama.cpp applies it
         model.cos_sin = gguf.rope_cos_sin(config, rope_freqs)
     model.cos_sin = model.cos_sin.to(device=device, dtype=dtype)  # HF casts cos/sin to the dtype too
+    if model.cos_sin_local is not None:
+        model.cos_sin_local = model.cos_sin_local.to(device=device, dtype=dtype)
     model.requires_grad_(False).eval()
     layer = _cpu_linear_class(torch.device(device), dtype) if pack is not False else None
     if pack and layer is None:

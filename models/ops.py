@@ -7,6 +7,8 @@ agree to float32 summation order.
     rms_norm(x, w, eps, residual)     -> (y, h)  with h = x + residual, y = rms_norm(h)
     rope_(x, Rotary(cos_sin, positions))  rotates x [N, heads, D] in place (heads contiguous)
     silu_and_mul(gate_up)             -> silu(gate) * up, gate_up = [gate | up] on the last dim
+    gelu_tanh_and_mul(gate_up)        -> gelu_tanh(gate) * up (Gemma's GeGLU; torch only)
+    ACT_AND_MUL[config.hidden_act]    -> the one of the two a model's MLP runs
 """
 
 from __future__ import annotations
@@ -115,6 +117,15 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     y = torch.empty((m, i), dtype=gu.dtype)
     lib.silu_mul(gu.data_ptr(), m, i, y.data_ptr())
     return y
+
+
+def gelu_tanh_and_mul(gate_up: Tensor) -> Tensor:
+    """transformers' gelu_pytorch_tanh(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+ACT_AND_MUL = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
 
 
 # Decode attention over the paged KV pool (kernels/attention.c), for scheduler_proc/attention.py

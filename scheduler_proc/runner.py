@@ -251,7 +251,7 @@ class ModelRunner:
         every rank: each one may be a collective."""
         attn = StepAttention.build(self.cache, req_to_token, plan.out_slots, plan.decode_rows,
                                    plan.decode_lens, plan.prefills, self.device,
-                                   self.decode_kernel)
+                                   self.decode_kernel, self.model.attention_layers)
         # The quantized layers' kernel rule counts the step's requests, not its rows
         # (quant_linear.py): a request alone is computed the same way at every length.
         with step_batch(len(plan.decode_rows) + len(plan.prefills)):

@@ -10,10 +10,12 @@ from torch import Tensor
 class DenseCausalAttention:
     """The model's `attn(layer_id, q, k, v)` with no cache: causal attention within each
     sequence of a flat batch. `seq_lens` splits the N tokens into consecutive sequences
-    (default: all N tokens are one sequence)."""
+    (default: all N tokens are one sequence); `layers`: the model's attention_layers (each
+    layer's scale, sliding window, score cap; default: plain causal attention)."""
 
-    def __init__(self, seq_lens: list[int] | None = None):
+    def __init__(self, seq_lens: list[int] | None = None, layers: tuple = ()):
         self.seq_lens = seq_lens
+        self.layers = layers
 
     def __call__(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         n = q.shape[0]
@@ -26,5 +28,11 @@ class DenseCausalAttention:
         # SDPA wants [batch=1, heads, N, head_dim] (the 4-D layout HF uses; 3-D inputs take
         # another CPU kernel that rounds differently in bf16); enable_gqa shares k/v heads.
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return o[0].transpose(0, 1)
+        if not self.layers:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            return o[0].transpose(0, 1)
+        from scheduler_proc.attention import attend
+        spec = self.layers[layer_id]
+        if spec.window is not None:                 # positions within the window only
+            mask = mask & (idx[None, :] > idx[:, None] - spec.window)
+        return attend(q, k, v, mask, False, spec)[0].transpose(0, 1)

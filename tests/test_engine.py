@@ -6,7 +6,9 @@ tiny KV pool; cached_tokens is reported; the pool is whole again once idle. One 
 turns our CPU kernels off (ZSERVE_CPU_KERNELS=0), so torch's fallback path is held to the
 same checks. One runs the model over two tensor-parallel ranks (--tp-size 2, with the radix
 cache and small prefill chunks), for llama and qwen3: the same checks, and for llama the
-same ids as the one-rank server.
+same ids as the one-rank server. The families with sliding-window attention (Gemma 2 and 3,
+a Mistral with a window) run with windows of 8 positions, which every prompt here reaches
+past: Gemma 3 under the radix cache, tiny chunks without it, and two ranks.
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ def check(model_dir, prompt: list[int], out: dict, max_new: int = MAX_NEW) -> No
 # the configurations exercise the scheduler, the families the model file, and each
 # server launch costs seconds.
 SERVERS = [("llama", config) for config in CONFIGS] + \
-    [(family, "radix") for family in FAMILIES if family != "llama"] + [("qwen3", "tp2")]
+    [(family, "radix") for family in FAMILIES if family != "llama"] + [("qwen3", "tp2")] + \
+    [("gemma3", config) for config in ("radix", "no-radix-tiny-chunk", "tp2")] + \
+    [("gemma2", "radix"), ("mistral_window", "no-radix-tiny-chunk")]
 
 
 @pytest.fixture(scope="module", params=SERVERS, ids=[f"{f}-{c}" for f, c in SERVERS])
@@ -89,6 +93,14 @@ def test_shared_prefixes_concurrently_match_transformers(server):
     assert pool_["free"] + pool_["evictable"] == pool_["total"], pool_
     if server.config in CACHING:
         assert max(o["meta_info"]["cached_tokens"] for o in outs) >= 48
+
+
+def test_stream_matches_transformers(server):
+    """A streamed request's last frame (cumulative) holds transformers' greedy ids."""
+    p = prompts(8, 1, prefix_len=20)[0]
+    frames = server.stream(input_ids=p, sampling_params=GREEDY)
+    assert len(frames) > 1
+    check(server.model_dir, p, frames[-1])
 
 
 def test_retraction_keeps_outputs_exact(server):

@@ -22,7 +22,7 @@ KEY, ADMIN = "user-key", "admin-key"
 
 def resolved(model_path: str, **flags) -> ServerConfig:
     """A resolved record for a model that is not there: the app reads no model file."""
-    facts = ModelFacts("LlamaForCausalLM", 512, None, vocab_size=1000, num_params=0,
+    facts = ModelFacts("LlamaForCausalLM", 512, vocab_size=1000, num_params=0,
                        random_weights=True)
     return ServerConfig(ServerArgs(model_path=model_path, **flags), model_path=model_path,
                         tokenizer_path=model_path, served_model_name=model_path,

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config,
-                          Qwen3Config, SmolLM3Config)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig,
+                          MistralConfig, Qwen2Config, Qwen3Config, SmolLM3Config)
 
 from model_helpers import DenseCausalAttention
 from models import ModelConfig, load_model
@@ -30,17 +30,29 @@ FAMILIES = {
     # every second layer without RoPE (NoPE), biased q/k/v/o
     "smollm3": lambda: SmolLM3Config(**SMALL, no_rope_layer_interval=2, attention_bias=True,
                                      pad_token_id=0),
+    "mistral_window": lambda: MistralConfig(**SMALL, sliding_window=6),
+    # windows of 6 (the 20-token checks reach past them), a query scale not head_dim's,
+    # GeGLU, (1 + w) norms, scaled embeddings; Gemma 2's score and logit caps
+    "gemma2": lambda: Gemma2Config(**SMALL, head_dim=16, query_pre_attn_scalar=24,
+                                   sliding_window=6, attn_logit_softcapping=5.0,
+                                   final_logit_softcapping=3.0, pad_token_id=0),
+    # a local layer (RoPE base 10,000) then a global one (1,000,000); q/k norms
+    "gemma3": lambda: Gemma3TextConfig(**SMALL, head_dim=32, query_pre_attn_scalar=48,
+                                       sliding_window=6, pad_token_id=0,
+                                       layer_types=["sliding_attention", "full_attention"]),
 }
 
 
 def make_checkpoint(hf_config, path, **save_kwargs):
-    """A random HF model saved to `path`, weights scaled up so logits are far from uniform."""
+    """A random HF model saved to `path`, weights scaled up so logits are far from uniform.
+    Norms scale by 1 + 0.3 N(0, 1) (Gemma's by 1 + weight: its weights are the 0.3 N)."""
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    offset = 0.0 if hf_config.model_type.startswith("gemma") else 1.0
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
+                p.copy_(offset + 0.3 * torch.randn_like(p))
             else:
                 p.normal_(0, 0.15)
     hf.save_pretrained(path, **save_kwargs)
@@ -63,7 +75,7 @@ def our_logits(model, seqs):
     """seqs: [(ids, start_position)] run as one flat batch -> logits for every token."""
     ids = torch.cat([s for s, _ in seqs])
     positions = torch.cat([torch.arange(p, p + len(s)) for s, p in seqs])
-    attn = DenseCausalAttention([len(s) for s, _ in seqs])
+    attn = DenseCausalAttention([len(s) for s, _ in seqs], model.attention_layers)
     return model.compute_logits(model(ids, positions, attn))
 
 

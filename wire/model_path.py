@@ -22,7 +22,8 @@ from pathlib import Path
 # Hugging Face architecture names zserve implements (models/config.py maps
 # each to its family).
 TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                      "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
+                      "Qwen3ForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM",
+                      "Gemma3ForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +203,6 @@ class ModelFacts:
 
     architecture: str
     max_position_embeddings: int
-    sliding_window: int | None
     vocab_size: int                 # rows of the embedding: the ids the model can take or emit
     num_params: int
     random_weights: bool            # one of our tiny test checkpoints
@@ -221,7 +221,6 @@ def model_facts(path: str) -> ModelFacts:
                            if a in SUPPORTED_ARCHITECTURES), str(config.get("architectures")))
     try:
         return ModelFacts(arch, int(config.get("max_position_embeddings", 2048)),
-                          config.get("sliding_window") if arch == "MistralForCausalLM" else None,
                           int(config["vocab_size"]), _num_params(config),
                           (Path(path) / RANDOM_WEIGHTS_MARKER).exists(),
                           int(config["num_attention_heads"]),
