@@ -47,6 +47,7 @@ from .cpu_linear import CpuLinear
 from .fast_decode import FastDecode
 from .packed import PackedLinear, can_pack
 from .quant_linear import KEPT_TYPES, QuantEmbedding, QuantLinear, quantize_q8_0
+from .rope import cos_sin_table
 from wire.proc import return_freed_heap
 from wire.server_args import INT8_BATCH, QUANTIZATIONS, quantization_refusal
 from .tp import VOCAB_PARTS, Selection, Shard
@@ -109,7 +110,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.d
 
     model.load_state_dict(params, strict=True, assign=True)
     if rope_freqs is not None:          # a GGUF's Llama 3 rope scaling, as llama.cpp applies it
-        model.cos_sin = gguf.rope_cos_sin(config, rope_freqs)
+        model.cos_sin = cos_sin_table(config, divisors=rope_freqs)
     model.cos_sin = model.cos_sin.to(device=device, dtype=dtype)  # HF casts cos/sin to the dtype too
     model.requires_grad_(False).eval()
     layer = _cpu_linear_class(torch.device(device), dtype) if pack is not False else None
