@@ -214,6 +214,16 @@ _FAMILY_CONFIG = {
     # not in FAMILIES (the shared test matrix): tests/test_smollm3.py builds it itself.
     # Every second layer without RoPE, so both kinds run in two layers.
     "smollm3": dict(tie_word_embeddings=False, no_rope_layer_interval=2),
+    # not in FAMILIES either: tests/test_phi3.py. Phi-4-mini's partial rotary (0.75 of the
+    # heads of 16: 12 dims, 6 frequencies) and Phi-3's longrope, with an original context of
+    # 64 of the 512 positions, so that prompts and generations cross from the short factors
+    # to the long ones (and an attention factor of sqrt(1 + ln 8 / ln 64)).
+    "phi3": dict(tie_word_embeddings=False, sliding_window=None, partial_rotary_factor=0.75,
+                 original_max_position_embeddings=64,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                  "partial_rotary_factor": 0.75,
+                                  "short_factor": [1.0, 1.0, 1.05, 1.1, 1.2, 1.4],
+                                  "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]}),
 }
 
 
@@ -264,7 +274,8 @@ LINEAR_GAIN = 4.0
 FINAL_NORM_GAIN = 1.5
 NORM_NOISE = 0.25
 BIAS_SCALE = 0.5
-_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "qkv_proj", "gate_up_proj")     # Phi-3 keeps q/k/v and gate/up fused
 
 
 def _init_weights(model, family: str, seed: int) -> None:

@@ -122,9 +122,9 @@ def _yarn(config, device) -> Tensor:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001                                       # (transformers' guard)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    keep = 1 - ramp.to(device=device)                       # 1: extrapolate, 0: interpolate
-    pos_freqs = base ** (torch.arange(0, dim, 2).to(device=device, dtype=torch.float) / dim)
+    ramp = (torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)
+    keep = 1 - ramp.clamp(0, 1)                             # 1: extrapolate, 0: interpolate
+    pos_freqs = base ** (torch.arange(0, dim, 2, device=device).float() / dim)
     return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
 
 

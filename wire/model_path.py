@@ -22,7 +22,7 @@ from pathlib import Path
 # Hugging Face architecture names zserve implements (models/config.py maps
 # each to its family).
 TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                      "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
+                      "Qwen3ForCausalLM", "SmolLM3ForCausalLM", "Phi3ForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +221,8 @@ def model_facts(path: str) -> ModelFacts:
                            if a in SUPPORTED_ARCHITECTURES), str(config.get("architectures")))
     try:
         return ModelFacts(arch, int(config.get("max_position_embeddings", 2048)),
-                          config.get("sliding_window") if arch == "MistralForCausalLM" else None,
+                          config.get("sliding_window")
+                          if arch in ("MistralForCausalLM", "Phi3ForCausalLM") else None,
                           int(config["vocab_size"]), _num_params(config),
                           (Path(path) / RANDOM_WEIGHTS_MARKER).exists(),
                           int(config["num_attention_heads"]),
