@@ -13,9 +13,9 @@ rank, no per-head q/k norm (Qwen3), RoPE in every layer (not SmolLM3) and on who
 (not Phi-3's partial rotary: decode.c rotates every dim of a head by one table), every
 linear layer a CpuLinear of the model's dtype (or, float32 only, a QuantLinear), and the
 norm / RoPE / SiLU / decode-attention kernels available for the dtype; per step, when every
-row is a decode row on the attention kernel (`takes`). The embedding and the logits stay torch. Every rope type is just another table
-(rope.py folds YaRN's and LongRoPE's attention factor into it), and decode.c reads the
-model's own `cos_sin`, so those run here too.
+row is a decode row on the attention kernel (`takes`). The embedding and the logits stay
+torch. Every rope type is just another table (rope.py folds YaRN's and LongRoPE's attention
+factor into it), and decode.c reads the model's own `cos_sin`, so those run here too.
 """
 
 from __future__ import annotations

@@ -156,33 +156,37 @@ def assert_served_batch_greedy(server, prompts: list[list[int]], max_new_tokens:
     with ThreadPoolExecutor(len(prompts)) as pool:
         outs = list(pool.map(lambda p: server.generate_ok(input_ids=p, sampling_params=body),
                              prompts))
-    compared = 0
-    for prompt, out in zip(prompts, outs):
-        ref_ids, margins = greedy_reference(server.model_dir, prompt, max_new_tokens, dtype)
-        assert_greedy_match(out["output_ids"], ref_ids, margins, tie_tol=tie_tol)
-        tie = first_near_tie(margins, tie_tol)
-        compared += max_new_tokens if tie is None else tie
-    assert compared >= 8, f"only {compared} decisive steps: the check says little"
+    _assert_outputs_greedy(server.model_dir, prompts, [outs], max_new_tokens, dtype, tie_tol)
 
 
 def assert_served_greedy(server, model_dir, prompts: list[list[int]], max_new_tokens: int,
                          split: int | None = None, dtype: torch.dtype = torch.float32,
                          tie_tol: float = 1e-3) -> list[dict]:
-    """Serve `prompts` (to a test server of the checkpoint model_dir) greedy (EOS ignored) in three forms: each alone (unary), all in one
-    batch request, and each streamed; assert every output equals transformers' (in `dtype`,
-    prefilled at `split`: greedy_reference) up to its first near tie, and that at least 8
-    decisive steps were compared. Returns the unary outputs, then the batch's, then the
-    streams' last frames (their meta_info says what the prefix cache served)."""
+    """Serve `prompts` (to a test server of the checkpoint model_dir) greedy, EOS ignored,
+    in three forms: each alone (unary), all in one batch request, and each streamed; assert
+    every output equals transformers' (in `dtype`, prefilled at `split`: greedy_reference)
+    up to its first near tie, and that at least 8 decisive steps were compared. Returns the
+    unary outputs, then the batch's, then the streams' last frames (their meta_info says
+    what the prefix cache served)."""
     body = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
     unary = [server.generate_ok(input_ids=p, sampling_params=body) for p in prompts]
     batch = server.generate_ok(input_ids=prompts, sampling_params=body)
     streamed = [server.stream(input_ids=p, sampling_params=body)[-1] for p in prompts]
+    _assert_outputs_greedy(model_dir, prompts, [unary, batch, streamed], max_new_tokens,
+                           dtype, tie_tol, split)
+    return unary + batch + streamed
+
+
+def _assert_outputs_greedy(model_dir, prompts: list[list[int]], forms: list[list[dict]],
+                           max_new_tokens: int, dtype: torch.dtype, tie_tol: float,
+                           split: int | None = None) -> None:
+    """Each form's output for each prompt (forms[k][i]: prompt i's) equals transformers'
+    greedy ids up to the first near tie; at least 8 decisive steps compared in all."""
     compared = 0
-    for prompt, *outs in zip(prompts, unary, batch, streamed):
+    for i, prompt in enumerate(prompts):
         ref_ids, margins = greedy_reference(model_dir, prompt, max_new_tokens, dtype, split)
-        for out in outs:
-            assert_greedy_match(out["output_ids"], ref_ids, margins, tie_tol=tie_tol)
+        for outs in forms:
+            assert_greedy_match(outs[i]["output_ids"], ref_ids, margins, tie_tol=tie_tol)
         tie = first_near_tie(margins, tie_tol)
         compared += max_new_tokens if tie is None else tie
     assert compared >= 8, f"only {compared} decisive steps: the check says little"
-    return unary + batch + streamed
