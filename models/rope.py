@@ -66,8 +66,8 @@ def inv_freq(config, long: bool = False, device: torch.device | str | None = Non
     dim, base, s = config.rotary_dim, config.rope_theta, config.rope_scaling
     rope_type = "default" if s is None else s["rope_type"]
     if rope_type == "dynamic":
-        # transformers' NTK base at the longest sequence served: max_position_embeddings
-        # (there the rescaling term is 1: the plain frequencies, to the last bit as it has them)
+        # transformers' NTK base at the longest sequence served, max_position_embeddings,
+        # computed as it does: the rescaling term is 1 there (up to its rounding, kept too)
         factor, length = s["factor"], config.max_position_embeddings
         base = base * ((factor * length / length) - (factor - 1)) ** (dim / (dim - 2))
     if rope_type == "longrope":
