@@ -227,6 +227,16 @@ _FAMILY_CONFIG = {
     "gemma3": dict(tie_word_embeddings=False, head_dim=32, query_pre_attn_scalar=48,
                    sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                    hidden_activation="gelu_pytorch_tanh"),
+    # not in FAMILIES either: tests/test_phi3.py. Phi-4-mini's partial rotary (0.75 of the
+    # heads of 16: 12 dims, 6 frequencies) and Phi-3's longrope, with an original context of
+    # 64 of the 512 positions, so that prompts and generations cross from the short factors
+    # to the long ones (and an attention factor of sqrt(1 + ln 8 / ln 64)).
+    "phi3": dict(tie_word_embeddings=False, sliding_window=None, partial_rotary_factor=0.75,
+                 original_max_position_embeddings=64,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                  "partial_rotary_factor": 0.75,
+                                  "short_factor": [1.0, 1.0, 1.05, 1.1, 1.2, 1.4],
+                                  "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]}),
 }
 # transformers' model_type where it is not the family's name.
 _MODEL_TYPE = {"gemma3": "gemma3_text", "mistral_window": "mistral"}
@@ -281,7 +291,8 @@ LINEAR_GAIN = 4.0
 FINAL_NORM_GAIN = 1.5
 NORM_NOISE = 0.25
 BIAS_SCALE = 0.5
-_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "qkv_proj", "gate_up_proj")     # Phi-3 keeps q/k/v and gate/up fused
 
 
 def _init_weights(model, family: str, seed: int) -> None:

@@ -18,6 +18,8 @@ import torch
 
 from wire.model_path import decoder_config, vision_architecture
 
+from .rope import REQUIRED, ROPE_ALIASES, ROPE_TYPES
+
 # HF architecture name -> family. Everything in the model file keys off the family.
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -25,6 +27,7 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "SmolLM3ForCausalLM": "smollm3",    # Llama with no RoPE on every no_rope_layer_interval-th
+    "Phi3ForCausalLM": "phi3",          # fused checkpoint qkv / gate_up, partial rotary, longrope
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
 }
@@ -33,7 +36,6 @@ ARCHITECTURES = {
 GEMMA_FAMILIES = ("gemma2", "gemma3")
 # config.json's hidden_act -> the MLP's gate activation (ops.act_and_mul).
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-ROPE_TYPES = ("default", "llama3")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -60,7 +62,7 @@ class ModelConfig:
     intermediate_size: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None       # None for plain RoPE; else the "llama3" parameters
+    rope_scaling: dict | None       # None for plain RoPE; else its parameters (rope.py)
     max_position_embeddings: int
     qkv_bias: bool                  # qwen2: always; llama/qwen3: attention_bias; mistral: never
     o_bias: bool                    # llama/qwen3: attention_bias; qwen2/mistral: never
@@ -93,6 +95,9 @@ class ModelConfig:
     attn_softcap: float | None = None         # Gemma 2: scores = cap * tanh(scores / cap)
     final_softcap: float | None = None        # Gemma 2: the same on the logits
     local_rope_theta: float | None = None     # Gemma 3's sliding layers' RoPE base
+    # The leading dims of each head that RoPE rotates (from_dict always sets it): head_dim,
+    # or Phi-3's partial_rotary_factor of it; the rest pass through unrotated.
+    rotary_dim: int | None = None
 
     @property
     def gemma(self) -> bool:
@@ -160,8 +165,11 @@ class ModelConfig:
             raise ValueError(f"{arch} with use_bidirectional_attention=true is not supported")
 
         num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         mrope = (cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}).get("mrope_section")
-        rope_theta, rope_scaling, local_theta = _parse_rope(cfg)
+        rope_theta, rope_scaling, local_theta = _parse_rope(cfg, family)
+        rotary_dim = _rotary_dim(cfg, head_dim) if family == "phi3" else head_dim
+        _check_factors(rope_scaling, rotary_dim)
         attention_bias = bool(cfg.get("attention_bias", False))
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype")
         return cls(
@@ -172,7 +180,7 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            head_dim=head_dim,
             intermediate_size=cfg["intermediate_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
@@ -183,7 +191,7 @@ class ModelConfig:
             mlp_bias=family in ("llama", "smollm3") and bool(cfg.get("mlp_bias", False)),
             qk_norm=family in ("qwen3", "gemma3"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-            sliding_window=(cfg.get("sliding_window") if family == "mistral" or gemma
+            sliding_window=(cfg.get("sliding_window") if family in ("mistral", "phi3") or gemma
                             else None),
             eos_token_ids=_eos_ids(cfg, generation or {}),
             bos_token_id=cfg.get("bos_token_id"),
@@ -199,14 +207,15 @@ class ModelConfig:
             attn_softcap=_positive(cfg.get("attn_logit_softcapping")) if gemma else None,
             final_softcap=_positive(cfg.get("final_logit_softcapping")) if gemma else None,
             local_rope_theta=local_theta if family == "gemma3" else None,
+            rotary_dim=rotary_dim,
         )
 
 
-def _parse_rope(cfg: dict) -> tuple[float, dict | None, float | None]:
+def _parse_rope(cfg: dict, family: str) -> tuple[float, dict | None, float | None]:
     """(rope_theta, scaling params or None, the local layers' theta or None) from either
-    config dialect. Gemma 3's rope_parameters hold one set per layer type
-    ({"full_attention": ..., "sliding_attention": ...}); its older configs say rope_theta
-    and rope_local_base_freq."""
+    config dialect, with the keys its type needs (rope.REQUIRED) checked here. Gemma 3's
+    rope_parameters hold one set per layer type ({"full_attention": ...,
+    "sliding_attention": ...}); its older configs say rope_theta and rope_local_base_freq."""
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     local = cfg.get("rope_local_base_freq")
     if "full_attention" in params or "sliding_attention" in params:
@@ -219,15 +228,26 @@ def _parse_rope(cfg: dict) -> tuple[float, dict | None, float | None]:
     params.pop("mrope_section", None)           # Qwen2-VL's sections: ModelConfig keeps them
     theta = params.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
     rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type == "mrope":                    # the older spelling of those sections
-        rope_type = "default"
+    rope_type = ROPE_ALIASES.get(rope_type, rope_type)
+    if family == "phi3" and rope_type == "yarn":    # transformers' Phi3Config reads it so
+        rope_type = "longrope"
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unsupported rope type {rope_type!r}: zserve supports {ROPE_TYPES}")
     local = None if local is None else float(local)
     if rope_type == "default":
         return float(theta), None, local
     params["rope_type"] = rope_type
-    params.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+    if rope_type in ("llama3", "yarn", "longrope"):
+        # transformers: a top-level original_max_position_embeddings wins (Phi-3 keeps it
+        # there, and Phi3Config's default is 4096); else max_position_embeddings
+        top = cfg.get("original_max_position_embeddings", 4096 if family == "phi3" else None)
+        if top is not None:
+            params["original_max_position_embeddings"] = top
+        params.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+    missing = [k for k in REQUIRED[rope_type] if params.get(k) is None]
+    if missing:
+        raise ValueError(f"rope type {rope_type!r} needs {', '.join(missing)} in the "
+                         f"config's rope parameters")
     return float(theta), params, local
 
 
@@ -249,6 +269,28 @@ def _layer_windows(cfg: dict, family: str) -> tuple[int, ...]:
 def _positive(value) -> float | None:
     """A soft-capping value: None or 0 (transformers' 'off') -> None."""
     return float(value) if value else None
+
+
+def _rotary_dim(cfg: dict, head_dim: int) -> int:
+    """Phi-3's rotated dims per head: partial_rotary_factor (in rope_parameters, else at the
+    top level, else 1) of head_dim, as transformers rounds it."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    dim = int(head_dim * factor)
+    if not 0 < dim <= head_dim or dim % 2:
+        raise ValueError(f"partial_rotary_factor {factor} gives {dim} rotated dims of a head "
+                         f"of {head_dim}: zserve needs an even number, at least 2")
+    return dim
+
+
+def _check_factors(scaling: dict | None, rotary_dim: int) -> None:
+    """longrope's short and long factors: one per rotated pair of dims."""
+    if scaling is None or scaling["rope_type"] != "longrope":
+        return
+    for key in ("short_factor", "long_factor"):
+        if len(scaling[key]) != rotary_dim // 2:
+            raise ValueError(f"rope {key} has {len(scaling[key])} entries, expected "
+                             f"{rotary_dim // 2} (half the {rotary_dim} rotated dims)")
 
 
 def _rope_layers(cfg: dict) -> tuple[int, ...]:

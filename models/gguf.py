@@ -21,7 +21,7 @@ rows of each head of q_proj and k_proj (weights and biases) for the "llama" arch
 that its RoPE can rotate adjacent pairs; `load_weights` undoes it. Qwen2/Qwen3 files are
 written unpermuted (Qwen2Model has no such step, and llama.cpp rotates them NeoX-style).
 Llama 3's rope scaling is stored as a `rope_freqs` tensor (one divisor per frequency), not
-as metadata: `rope_cos_sin` builds the table from it and the loader installs that.
+as metadata: rope.cos_sin_table builds the table from it and the loader installs that.
 
 The header is read here rather than with `gguf.GGUFReader`, whose field parser builds a numpy
 view per string of the vocabulary and merge table (2-7 s for SmolLM2's 98k strings on this
@@ -354,10 +354,9 @@ def config_dict(header: GGUFHeader) -> dict:
         vocab = int(vocab or tensors["token_embd.weight"].shape[0])
     rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
     scaling = get("rope.scaling.type", "none")
-    if scaling not in ("none", None):           # linear / yarn / longrope: refused by config.py
-        rope.update(rope_type=scaling, factor=float(get("rope.scaling.factor", 1.0)))
-        if (orig := get("rope.scaling.original_context_length", None)) is not None:
-            rope["original_max_position_embeddings"] = int(orig)
+    if scaling not in ("none", None):   # llama.cpp's own linear / yarn / longrope parameters
+        raise ValueError(f"{name}: unsupported rope type {scaling!r} in a GGUF file (zserve "
+                         f"reads RoPE scaling from GGUF only as Llama 3's rope_freqs tensor)")
     types = {t.ggml_type for n, t in tensors.items() if n.endswith(".weight")}
     dtype = {frozenset([0]): "float32", frozenset([0, 1]): "float16", frozenset([1]): "float16",
              frozenset([0, 30]): "bfloat16", frozenset([30]): "bfloat16"}.get(frozenset(types))
@@ -606,16 +605,6 @@ def check_types(header: GGUFHeader) -> None:
             raise ValueError(f"{header.path.name}: tensor {info.name} has type {info.type_name}, "
                              f"which the gguf library cannot dequantize; supported: "
                              f"{', '.join(ok)}")
-
-
-def rope_cos_sin(config, rope_freqs: torch.Tensor) -> torch.Tensor:
-    """The [max_positions, head_dim] cos|sin table with llama.cpp's per-frequency divisors
-    (its rope_freqs tensor: how convert_hf_to_gguf stores Llama 3's rope scaling)."""
-    from .llama import rope_inv_freq
-
-    inv_freq = rope_inv_freq(config) / rope_freqs.float()
-    freqs = torch.outer(torch.arange(config.max_position_embeddings).float(), inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
 def _few(names: list[str], n: int = 8) -> str:

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3; Gemma 2 and 3 with their own
-layer: gemma.py) in plain torch.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3; Gemma 2 and 3 with
+their own layer: gemma.py) in plain torch.
 
 The model runs over a flat, ragged batch: N tokens from any number of requests, each token
 with its own position. Everything that mixes tokens of one request lives in the `attn`
@@ -12,9 +12,10 @@ token, so the batch layout never matters to this file.
         window and score cap of each layer are config.attention_layers()'s.
 
 The families differ only in config flags (see ModelConfig): qkv/o/mlp biases, Qwen3's
-per-head q/k RMSNorm, SmolLM3's layers without RoPE, tied embeddings and the RoPE
-frequencies. q/k/v and gate/up are fused
-into one matmul each; the loader fills the fused weights from the checkpoint's parts.
+per-head q/k RMSNorm, SmolLM3's layers without RoPE, Phi-3's partial rotary (RoPE on the
+first rotary_dim dims of each head), tied embeddings and the RoPE table (rope.py: every
+rope type is a different table). q/k/v and gate/up are fused into one matmul each; the
+loader fills the fused weights from the checkpoint's parts (or, Phi-3, its fused tensors).
 Tensor parallelism (`tp`, a group of models/distributed.py with size > 1): the module is built
 with this rank's share of the heads, MLP columns and vocabulary (models/tp.py: Shard), and
 three hooks join the ranks: the embedding and the two row-parallel projections (o_proj,
@@ -29,7 +30,6 @@ residual inside the next norm (`norm(x, residual)`), as vLLM does, to fuse the t
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Protocol
 
 import torch
@@ -41,6 +41,7 @@ from models.distributed import SOLO
 from .config import ModelConfig
 from .gemma import GemmaDecoderLayer, GemmaRMSNorm
 from .ops import ACT_AND_MUL, Rotary, rms_norm, rope_
+from .rope import cos_sin_table
 from .tp import Shard
 from .vision import build_encoder
 
@@ -60,34 +61,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor, residual: Tensor | None = None):
         """norm(x); with a residual, (norm(x + residual), x + residual)."""
         return rms_norm(x, self.weight, self.eps, residual)
-
-
-def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> Tensor:
-    """theta^(-2i/d) for i < d/2, with Llama 3.1's frequency rescaling when configured."""
-    d = config.head_dim
-    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, device=device).float() / d)
-    s = config.rope_scaling
-    if s is None:
-        return inv_freq
-    # llama3: keep high frequencies (short wavelengths), divide low ones by `factor`, and
-    # interpolate linearly in 1/wavelength between the two bands.
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_len = s["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_len / wavelen - low) / (high - low)
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(medium, smoothed, scaled)
-
-
-def rope_cos_sin(config: ModelConfig, device: torch.device | str | None = None) -> Tensor:
-    """[max_positions, head_dim] float32 table: cos(p * f) in the first half, sin in the second.
-    (Gemma 3's local layers: rope_cos_sin(local_rope_config(config)).)"""
-    inv_freq = rope_inv_freq(config, device)
-    positions = torch.arange(config.max_position_embeddings, device=device).float()
-    freqs = torch.outer(positions, inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
 def local_rope_config(config: ModelConfig) -> ModelConfig:
@@ -232,9 +205,9 @@ class CausalLM(nn.Module):
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         # Built on the CPU even when the module is built on `meta`; load_model moves and casts it.
-        self.register_buffer("cos_sin", rope_cos_sin(config, device="cpu"), persistent=False)
+        self.register_buffer("cos_sin", cos_sin_table(config, device="cpu"), persistent=False)
         self.register_buffer("cos_sin_local", None if config.local_rope_theta is None else
-                             rope_cos_sin(local_rope_config(config), device="cpu"),
+                             cos_sin_table(local_rope_config(config), device="cpu"),
                              persistent=False)
         self.fast = None        # a FastDecode (fast_decode.py), set by load_model where it applies
         # A vision-language model's image encoder (models/vision/), else None: whole on

@@ -47,6 +47,7 @@ from .cpu_linear import CpuLinear
 from .fast_decode import FastDecode
 from .packed import PackedLinear, can_pack
 from .quant_linear import KEPT_TYPES, QuantEmbedding, QuantLinear, quantize_q8_0
+from .rope import cos_sin_table
 from wire.proc import return_freed_heap
 from wire.server_args import INT8_BATCH, QUANTIZATIONS, quantization_refusal
 from .tp import VOCAB_PARTS, Selection, Shard
@@ -60,6 +61,9 @@ _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
+# Families whose checkpoints hold those fused tensors themselves, under our names and in the
+# same order (Phi-3's qkv_proj, gate_up_proj): each is read straight into our parameter.
+_FUSED_IN_CHECKPOINT = ("phi3",)
 
 # A checkpoint tensor's destination: our parameter, the rows of it the tensor fills, and
 # which part of the tensor this rank takes (None: all of it).
@@ -109,7 +113,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.d
 
     model.load_state_dict(params, strict=True, assign=True)
     if rope_freqs is not None:          # a GGUF's Llama 3 rope scaling, as llama.cpp applies it
-        model.cos_sin = gguf.rope_cos_sin(config, rope_freqs)
+        model.cos_sin = cos_sin_table(config, divisors=rope_freqs)
     model.cos_sin = model.cos_sin.to(device=device, dtype=dtype)  # HF casts cos/sin to the dtype too
     if model.cos_sin_local is not None:
         model.cos_sin_local = model.cos_sin_local.to(device=device, dtype=dtype)
@@ -312,11 +316,20 @@ def _replace_linears(model: nn.Module, layer: type[nn.Module],
 
 
 def _read_selection(src, sel: Selection) -> torch.Tensor:
-    """Part of a safetensors tensor (a get_slice handle): a slice reads only its bytes; a
-    list of rows (kv heads expanded on an uneven split; small) reads the whole tensor."""
-    if not isinstance(sel.index, slice):
+    """Part of a safetensors tensor (a get_slice handle), reading only its bytes: a slice at
+    once, a list of rows (kv heads expanded on an uneven split, a fused tensor's parts) as
+    runs of consecutive rows."""
+    if isinstance(sel.index, slice):
+        return src[sel.index] if sel.dim == 0 else src[:, sel.index]
+    if sel.dim != 0:
         return sel.take(src[:])
-    return src[sel.index] if sel.dim == 0 else src[:, sel.index]
+    runs, rows = [], sel.index
+    start = 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i] != rows[i - 1] + 1:
+            runs.append(src[rows[start]:rows[i - 1] + 1])
+            start = i
+    return torch.cat(runs)
 
 
 def _checkpoint_targets(config: ModelConfig, params: dict[str, torch.Tensor],
@@ -349,6 +362,11 @@ def _checkpoint_targets(config: ModelConfig, params: dict[str, torch.Tensor],
             if shard is not None and module in VOCAB_PARTS:     # the padding stays zero
                 rows = slice(0, shard.real_vocab_rows)
             targets[f"{hf_module}.{kind}"] = (name, rows, select(module, kind))
+            continue
+        if config.family in _FUSED_IN_CHECKPOINT:
+            parts = tuple(p.rsplit(".", 1)[1] for p in _FUSED[fused])
+            targets[f"{hf_module}.{kind}"] = (
+                name, slice(None), None if shard is None else shard.select_fused(parts, kind))
             continue
         prefix, start = hf_module[: -len(fused)], 0             # "model.layers.3."
         for part in _FUSED[fused]:

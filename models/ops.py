@@ -5,7 +5,9 @@ agree to float32 summation order.
 
     rms_norm(x, w, eps)               -> y
     rms_norm(x, w, eps, residual)     -> (y, h)  with h = x + residual, y = rms_norm(h)
-    rope_(x, Rotary(cos_sin, positions))  rotates x [N, heads, D] in place (heads contiguous)
+    rope_(x, Rotary(cos_sin, positions))  rotates x [N, heads, D] in place (heads contiguous);
+                                      a table narrower than D (partial rotary) rotates the
+                                      leading dims only, in torch
     silu_and_mul(gate_up)             -> silu(gate) * up, gate_up = [gate | up] on the last dim
     gelu_tanh_and_mul(gate_up)        -> gelu_tanh(gate) * up (Gemma's GeGLU; torch only)
     ACT_AND_MUL[config.hidden_act]    -> the one of the two a model's MLP runs
@@ -71,8 +73,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
 
 
 class Rotary:
-    """One step's RoPE inputs, built once per forward: the [max_positions, D] table (cos in
-    the first half, sin in the second, in the model dtype) and the [N] positions, each below
+    """One step's RoPE inputs, built once per forward: the [max_positions, R] table (cos in
+    the first half, sin in the second, in the model dtype; rope.py builds it; R: the rotated
+    dims, the head dim D or less) and the [N] positions, each below
     max_positions (the kernel does not check: the launcher caps the context length). The
     torch path gathers the step's rows once, for every layer."""
 
@@ -83,25 +86,28 @@ class Rotary:
         self._rows: tuple[Tensor, Tensor] | None = None
 
     def rows(self) -> tuple[Tensor, Tensor]:
-        """cos, sin: [N, 1, D/2] each, broadcast over heads."""
+        """cos, sin: [N, 1, R/2] each, broadcast over heads."""
         if self._rows is None:
             self._rows = self.cos_sin[self.positions].unsqueeze(1).chunk(2, dim=-1)
         return self._rows
 
 
 def rope_(x: Tensor, rotary: Rotary) -> Tensor:
-    """Rotate each (x[i], x[i + D/2]) pair of every head by its position's angle, in place:
-    transformers' `x*cos + rotate_half(x)*sin` with the halves written out.
+    """Rotate each (x[i], x[i + R/2]) pair of every head by its position's angle, in place:
+    transformers' `x*cos + rotate_half(x)*sin` with the halves written out, on the first R
+    dims of each head (R: the table's width; the rest, under partial rotary, stay as they are).
     x: [N, heads, D] (a view is fine if each row's heads are contiguous)."""
     n, heads, d = x.shape
     cos_sin, positions = rotary.cos_sin, rotary.positions
     lib = _kernel(x)
-    if (lib is None or x.stride(2) != 1 or x.stride(1) != d or d % 2
+    if (lib is None or cos_sin.shape[-1] != d       # the kernel rotates whole heads
+            or x.stride(2) != 1 or x.stride(1) != d or d % 2
             or cos_sin.dtype != x.dtype or not cos_sin.is_contiguous()
             or positions.dtype != torch.int64 or not positions.is_contiguous()):
         cos, sin = rotary.rows()
-        x1, x2 = x.chunk(2, dim=-1)
-        x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+        rot = x if cos_sin.shape[-1] == d else x[..., :cos_sin.shape[-1]]
+        x1, x2 = rot.chunk(2, dim=-1)
+        rot.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
         return x
     lib.rope(x.data_ptr(), n, x.stride(0), heads, d, cos_sin.data_ptr(), positions.data_ptr())
     return x

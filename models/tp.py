@@ -3,6 +3,7 @@
     shard = Shard.of(config, size, rank)     # llama.py builds one when size > 1
     shard.config                             # the per-rank ModelConfig the module is built with
     shard.select(part, kind)                 # which rows / columns of a checkpoint tensor
+    shard.select_fused(parts, kind)          # ... of one holding several parts (Phi-3's qkv)
 
 Megatron's layout, as SGLang and vLLM use it:
 - attention: q heads split in balanced ranges `part(H, T, r)` (divisibility is not needed:
@@ -134,6 +135,20 @@ class Shard:
         if part_name in VOCAB_PARTS:
             return Selection(0, slice(*self.vocab), c.vocab_size)
         return None
+
+    def select_fused(self, part_names: tuple[str, ...], kind: str) -> Selection:
+        """A checkpoint tensor that holds the column-parallel `part_names` (q_proj, k_proj,
+        v_proj, or gate_proj, up_proj) stacked along its rows, as Phi-3 stores qkv_proj and
+        gate_up_proj: this rank's rows of each part, in order (the rows the module's own
+        fused layer holds)."""
+        rows, start = [], 0
+        for name in part_names:
+            sel = self.select(name, kind)
+            index = sel.index
+            picked = range(*index.indices(sel.full)) if isinstance(index, slice) else index
+            rows.extend(start + r for r in picked)
+            start += sel.full
+        return Selection(0, rows, start)
 
     @property
     def real_vocab_rows(self) -> int:

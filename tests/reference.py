@@ -4,7 +4,13 @@
 another dtype, eval, no_grad, eager attention, no EOS stop) and also returns each step's
 top-1 minus top-2 logit margin, so a test can tell a real mismatch from a near-tie that
 float rounding may legitimately flip.
-`assert_greedy_match` compares our ids with the reference up to its first near-tie.
+`assert_greedy_match` compares our ids with the reference up to its first near-tie;
+`assert_served_greedy` does that for a test server's unary, batch and streamed outputs.
+
+`split` (greedy_reference): prefill the prompt in two forwards, prompt[:split] and then the
+rest. transformers picks LongRoPE's short or long factors per forward, by the longest
+position it sees (models/rope.py); prefilled in two at original_max_position_embeddings, a
+prompt longer than that gets exactly the factors zserve's table gives each position.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import pathlib
 import torch
 
 _MODELS: dict[tuple[str, torch.dtype], object] = {}
-_CONTINUATIONS: dict[tuple, tuple[list[int], list[float]]] = {}   # (model, prompt, dtype)
+_CONTINUATIONS: dict[tuple, tuple[list[int], list[float]]] = {}   # (model, prompt, dtype, split)
 
 
 def _load(model_dir, dtype: torch.dtype = torch.float32):
@@ -32,17 +38,21 @@ def _load(model_dir, dtype: torch.dtype = torch.float32):
 
 @torch.no_grad()
 def greedy_reference(model_dir, prompt_ids: list[int], max_new_tokens: int,
-                     dtype: torch.dtype = torch.float32) -> tuple[list[int], list[float]]:
+                     dtype: torch.dtype = torch.float32,
+                     split: int | None = None) -> tuple[list[int], list[float]]:
     """Greedy continuation of prompt_ids by transformers, and the margin of each choice.
 
     Returns (ids, margins), both max_new_tokens long; margins[i] is top1 - top2 of the
-    logits that chose ids[i]. Does not stop at EOS."""
+    logits that chose ids[i]. Does not stop at EOS. split: a prompt longer than that is
+    prefilled in two forwards (module docstring)."""
     if not prompt_ids:
         raise ValueError("prompt_ids must not be empty")
     # Greedy decoding is deterministic and prefix-closed: a longer continuation of the same
     # prompt answers every shorter request (test modules ask the same prompts of several
     # servers).
-    key = (str(pathlib.Path(model_dir).resolve()), tuple(prompt_ids), dtype)
+    if split is not None and len(prompt_ids) <= split:
+        split = None                                        # one forward either way
+    key = (str(pathlib.Path(model_dir).resolve()), tuple(prompt_ids), dtype, split)
     known = _CONTINUATIONS.get(key)
     if known is None or len(known[0]) < max_new_tokens:
         model = _load(model_dir, dtype)
@@ -52,16 +62,21 @@ def greedy_reference(model_dir, prompt_ids: list[int], max_new_tokens: int,
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            known = _CONTINUATIONS[key] = _greedy(model, prompt_ids, max_new_tokens)
+            known = _CONTINUATIONS[key] = _greedy(model, prompt_ids, max_new_tokens, split)
         finally:
             torch.set_num_threads(threads)
     return known[0][:max_new_tokens], known[1][:max_new_tokens]
 
 
-def _greedy(model, prompt_ids: list[int], max_new_tokens: int):
+def _greedy(model, prompt_ids: list[int], max_new_tokens: int, split: int | None = None):
     ids: list[int] = []
     margins: list[float] = []
-    out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+    if split is None:
+        out = model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+    else:
+        out = model(input_ids=torch.tensor([prompt_ids[:split]]), use_cache=True)
+        out = model(input_ids=torch.tensor([prompt_ids[split:]]), cache=out.cache,
+                    use_cache=True)
     for step in range(max_new_tokens):
         logits = out.logits[0, -1].float()
         top2 = torch.topk(logits, 2).values
@@ -141,10 +156,37 @@ def assert_served_batch_greedy(server, prompts: list[list[int]], max_new_tokens:
     with ThreadPoolExecutor(len(prompts)) as pool:
         outs = list(pool.map(lambda p: server.generate_ok(input_ids=p, sampling_params=body),
                              prompts))
+    _assert_outputs_greedy(server.model_dir, prompts, [outs], max_new_tokens, dtype, tie_tol)
+
+
+def assert_served_greedy(server, model_dir, prompts: list[list[int]], max_new_tokens: int,
+                         split: int | None = None, dtype: torch.dtype = torch.float32,
+                         tie_tol: float = 1e-3) -> list[dict]:
+    """Serve `prompts` (to a test server of the checkpoint model_dir) greedy, EOS ignored,
+    in three forms: each alone (unary), all in one batch request, and each streamed; assert
+    every output equals transformers' (in `dtype`, prefilled at `split`: greedy_reference)
+    up to its first near tie, and that at least 8 decisive steps were compared. Returns the
+    unary outputs, then the batch's, then the streams' last frames (their meta_info says
+    what the prefix cache served)."""
+    body = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+    unary = [server.generate_ok(input_ids=p, sampling_params=body) for p in prompts]
+    batch = server.generate_ok(input_ids=prompts, sampling_params=body)
+    streamed = [server.stream(input_ids=p, sampling_params=body)[-1] for p in prompts]
+    _assert_outputs_greedy(model_dir, prompts, [unary, batch, streamed], max_new_tokens,
+                           dtype, tie_tol, split)
+    return unary + batch + streamed
+
+
+def _assert_outputs_greedy(model_dir, prompts: list[list[int]], forms: list[list[dict]],
+                           max_new_tokens: int, dtype: torch.dtype, tie_tol: float,
+                           split: int | None = None) -> None:
+    """Each form's output for each prompt (forms[k][i]: prompt i's) equals transformers'
+    greedy ids up to the first near tie; at least 8 decisive steps compared in all."""
     compared = 0
-    for prompt, out in zip(prompts, outs):
-        ref_ids, margins = greedy_reference(server.model_dir, prompt, max_new_tokens, dtype)
-        assert_greedy_match(out["output_ids"], ref_ids, margins, tie_tol=tie_tol)
+    for i, prompt in enumerate(prompts):
+        ref_ids, margins = greedy_reference(model_dir, prompt, max_new_tokens, dtype, split)
+        for outs in forms:
+            assert_greedy_match(outs[i]["output_ids"], ref_ids, margins, tie_tol=tie_tol)
         tie = first_near_tie(margins, tie_tol)
         compared += max_new_tokens if tie is None else tie
     assert compared >= 8, f"only {compared} decisive steps: the check says little"

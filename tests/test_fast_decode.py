@@ -115,3 +115,33 @@ def test_fast_path_stays_out_of_the_way(tiny_model, wide_heads):
     prefill = StepAttention.build(cache, table, [1, 2, 3], [], [], [(0, 0, 3)], "cpu",
                                   decode_kernel=True)
     assert not model.fast.takes(prefill, torch.arange(3))
+
+
+def phi3_wide(path, partial: float):
+    """A tiny Phi-3 with heads of 32 (the decode kernel's), longrope over an original
+    context of 16 (both_paths' decode rows sit on both sides of it), rotating `partial` of
+    each head."""
+    pairs = int(32 * partial) // 2
+    return build_tiny_checkpoint(
+        path, "phi3", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=192, partial_rotary_factor=partial,
+        original_max_position_embeddings=16,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "partial_rotary_factor": partial,
+                         "short_factor": [1.0 + 0.1 * i for i in range(pairs)],
+                         "long_factor": [1.0 + 2.0 * i for i in range(pairs)]})
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_longrope_is_just_another_table(tmp_path, dtype):
+    """decode.c reads the model's own cos|sin table, so a whole-head rotary with longrope
+    (short and long factors, its attention factor folded into the table) runs on the fast
+    path, equal to the module path; Phi-3's partial rotary does not run there."""
+    model = load_model(phi3_wide(tmp_path / "full", 1.0), dtype, "cpu")
+    assert model.fast is not None and model.config.rope_scaling["rope_type"] == "longrope"
+    (fast, fast_kv), (slow, slow_kv) = both_paths(model, 5)
+    assert torch.equal(fast, slow)
+    assert all(torch.equal(a, b) for a, b in zip(fast_kv, slow_kv))
+    partial = load_model(phi3_wide(tmp_path / "partial", 0.75), dtype, "cpu")
+    assert partial.config.rotary_dim == 24 and partial.fast is None

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig,
-                          MistralConfig, Qwen2Config, Qwen3Config, SmolLM3Config)
+                          MistralConfig, Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config)
 
 from model_helpers import DenseCausalAttention
 from models import ModelConfig, load_model
@@ -24,6 +24,20 @@ FAMILIES = {
     "llama3_rope": lambda: LlamaConfig(**SMALL, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    # the other rope types (models/rope.py); an original context of 64 puts the sequences
+    # from 0 within it and the one from 300 past it (longrope's short and long factors)
+    "linear_rope": lambda: LlamaConfig(**SMALL, rope_parameters={
+        "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+    "dynamic_rope": lambda: LlamaConfig(**SMALL, rope_parameters={
+        "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+    "yarn_rope": lambda: LlamaConfig(**SMALL, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+        "original_max_position_embeddings": 64}),
+    "longrope_rope": lambda: LlamaConfig(**SMALL, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0,
+        "short_factor": [1.0, 1.0, 1.1, 1.2, 1.3, 1.5, 1.8, 2.0],
+        "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0],
+        "original_max_position_embeddings": 64}),
     "qwen2": lambda: Qwen2Config(**SMALL),                          # qkv bias
     "qwen3": lambda: Qwen3Config(**SMALL, head_dim=32),             # 32 != 64/4; q/k norm
     "mistral": lambda: MistralConfig(**SMALL, sliding_window=4096),
@@ -40,6 +54,13 @@ FAMILIES = {
     "gemma3": lambda: Gemma3TextConfig(**SMALL, head_dim=32, query_pre_attn_scalar=48,
                                        sliding_window=6, pad_token_id=0,
                                        layer_types=["sliding_attention", "full_attention"]),
+    # fused qkv_proj / gate_up_proj in the checkpoint, partial rotary (12 of 16 dims),
+    # longrope over an original context of 64
+    "phi3": lambda: Phi3Config(**SMALL, pad_token_id=0, partial_rotary_factor=0.75,
+                               original_max_position_embeddings=64, rope_parameters={
+                                   "rope_type": "longrope", "rope_theta": 10000.0,
+                                   "short_factor": [1.0, 1.0, 1.05, 1.1, 1.2, 1.4],
+                                   "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]}),
 }
 
 

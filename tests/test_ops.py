@@ -86,6 +86,29 @@ def test_rope_in_place_on_a_strided_view(monkeypatch, dtype, heads, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, dim, rotary", [(4, 16, 12), (3, 128, 96), (2, 64, 2)])
+def test_partial_rope_is_transformers_phi3(dtype, heads, dim, rotary):
+    """A table narrower than the head (Phi-3's partial rotary) rotates the leading `rotary`
+    dims of each head and leaves the rest: transformers' Phi-3 apply_rotary_pos_emb, bit
+    for bit (torch on both sides: the kernel rotates whole heads only), on q and k side by
+    side in one view as the model passes them."""
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
+    torch.manual_seed(0)
+    rows = 9
+    qk = torch.randn(rows, 2 * heads * dim, dtype=dtype)
+    half = torch.randn(50, rotary // 2, dtype=dtype)
+    cos_sin = torch.cat((half.cos(), half.sin()), dim=-1)
+    positions = torch.tensor([0, 49, 3, 3, 7, 1, 20, 30, 2])
+    ours = qk.clone()
+    ops.rope_(ours.view(rows, 2 * heads, dim), ops.Rotary(cos_sin, positions))
+    cos, sin = (torch.cat((t, t), dim=-1)[positions][None] for t in cos_sin.chunk(2, dim=-1))
+    q, k = (t.view(1, rows, heads, dim).transpose(1, 2) for t in qk.chunk(2, dim=-1))
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    want = torch.cat([t.transpose(1, 2).reshape(rows, heads * dim) for t in (q, k)], dim=-1)
+    assert torch.equal(ours, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, inter", [(1, 1536), (33, 40), (2, 7)])
 def test_silu_and_mul(monkeypatch, dtype, rows, inter):
     torch.manual_seed(0)

@@ -331,6 +331,21 @@ def test_safetensors_shards_with_biases_and_expanded_kv(tmp_path):
     assert_shards_are_slices(path, load(path), 3)
 
 
+@pytest.mark.parametrize("size", [2, 3])
+def test_phi3_fused_checkpoint_tensors_are_cut_per_rank(tmp_path, size):
+    """Phi-3's checkpoint holds qkv_proj and gate_up_proj fused: each rank reads its q, k, v
+    and gate, up rows of them (on 3 ranks its kv heads expanded, read as runs of rows), and
+    the sharded logits equal the unsharded model's."""
+    from checkpoints.tiny import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(tmp_path / "phi3", "phi3")
+    model = load(path)
+    assert_shards_are_slices(path, model, size)
+    ids, positions = ragged_batch(model.vocab_size)
+    want = model.compute_logits(model(ids, positions, DenseCausalAttention(LENS)))
+    assert_logits_close(sharded_logits(path, size, ids, positions), want)
+
+
 @pytest.mark.parametrize("family,size", [("llama", 2), ("llama", 3), ("qwen3", 4)])
 def test_gguf_shards_are_slices(tiny_model, tmp_path, family, size):
     """F32 GGUF: dequantized whole, llama's q/k permutation undone per head, then cut."""

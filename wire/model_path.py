@@ -22,8 +22,8 @@ from pathlib import Path
 # Hugging Face architecture names zserve implements (models/config.py maps
 # each to its family).
 TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                      "Qwen3ForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM",
-                      "Gemma3ForCausalLM")
+                      "Qwen3ForCausalLM", "SmolLM3ForCausalLM", "Phi3ForCausalLM",
+                      "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)

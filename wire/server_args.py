@@ -327,7 +327,7 @@ class ServerConfig:
                                # hub id: its local snapshot)
     tokenizer_path: str        # --tokenizer-path, else model_path
     served_model_name: str     # the model id in the OpenAI API
-    context_length: int        # --context-length, else the model's, capped by its window
+    context_length: int        # --context-length, else the model's max_position_embeddings
     dtype: str                 # float32, bfloat16 or float16: never "auto"
     model: ModelFacts          # from config.json: vocab size, parameters, architecture...
     model_source: str          # how the user named the model, for the banner
