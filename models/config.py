@@ -25,6 +25,8 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "SmolLM3ForCausalLM": "smollm3",    # Llama with no RoPE on every no_rope_layer_interval-th
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3 attention, mixture-of-experts MLPs (moe.py)
+    "MixtralForCausalLM": "mixtral",    # Mistral attention, mixture-of-experts MLPs (moe.py)
 }
 ROPE_TYPES = ("default", "llama3")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -33,14 +35,14 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     architecture: str               # e.g. "Qwen3ForCausalLM"
-    family: str                     # "llama" | "mistral" | "qwen2" | "qwen3" | "smollm3"
+    family: str                     # a value of ARCHITECTURES: "llama", "qwen3_moe", ...
     vocab_size: int
     hidden_size: int
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int                   # explicit in Qwen3/Mistral configs, may differ from hidden/heads
-    intermediate_size: int
+    intermediate_size: int          # a dense MLP's (Mixtral: each expert's, as its config says)
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict | None       # None for plain RoPE; else the "llama3" parameters
@@ -48,9 +50,10 @@ class ModelConfig:
     qkv_bias: bool                  # qwen2: always; llama/qwen3: attention_bias; mistral: never
     o_bias: bool                    # llama/qwen3: attention_bias; qwen2/mistral: never
     mlp_bias: bool                  # llama only (`mlp_bias`)
-    qk_norm: bool                   # qwen3: per-head RMSNorm on q and k before RoPE
+    qk_norm: bool                   # qwen3(_moe): per-head RMSNorm on q and k before RoPE
     tie_word_embeddings: bool
-    sliding_window: int | None      # mistral v0.1; the model ignores it, attention must apply it
+    sliding_window: int | None      # mistral v0.1, mixtral; the model ignores it (launch.py caps
+                                    # the context at it)
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     dtype: torch.dtype | None = None  # the checkpoint's dtype, informational
@@ -65,6 +68,24 @@ class ModelConfig:
     # SmolLM3: 1 for a layer that rotates q and k, 0 for one that does not (NoPE); None:
     # every layer does.
     rope_layers: tuple[int, ...] | None = None
+    # Mixtures of experts (Qwen3-MoE, Mixtral; models/moe.py). Invariant: num_experts > 0
+    # exactly when moe_layers is not None (a config whose layers are all dense is a dense
+    # model: 0 experts). moe_layers: 1 for a layer whose MLP is the sparse one, 0 for a dense MLP of
+    # intermediate_size (Qwen3-MoE's mlp_only_layers, decoder_sparse_step); None: all dense.
+    # The router takes the top experts_per_token of the softmax over the experts and
+    # renormalizes their probabilities to sum to 1 if norm_topk_prob (Mixtral always);
+    # routing_weights_fp32: the weights multiply the experts' outputs in float32 (Mixtral)
+    # rather than cast to the model's dtype first (Qwen3-MoE), as transformers does.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    routing_weights_fp32: bool = False
+    moe_layers: tuple[int, ...] | None = None
+
+    def sparse(self, layer_id: int) -> bool:
+        """Does layer `layer_id` have the mixture-of-experts MLP (else a dense one)?"""
+        return self.moe_layers is not None and bool(self.moe_layers[layer_id])
 
     @property
     def q_size(self) -> int:
@@ -133,12 +154,14 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            qkv_bias={"qwen2": True, "mistral": False}.get(family, attention_bias),
-            o_bias=family in ("llama", "qwen3", "smollm3") and attention_bias,
+            qkv_bias={"qwen2": True, "mistral": False, "mixtral": False}.get(family,
+                                                                            attention_bias),
+            o_bias=family in ("llama", "qwen3", "qwen3_moe", "smollm3") and attention_bias,
             mlp_bias=family in ("llama", "smollm3") and bool(cfg.get("mlp_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            sliding_window=cfg.get("sliding_window") if family == "mistral" else None,
+            sliding_window=(cfg.get("sliding_window") if family in ("mistral", "mixtral")
+                            else None),
             eos_token_ids=_eos_ids(cfg, generation or {}),
             bos_token_id=cfg.get("bos_token_id"),
             dtype=_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None,
@@ -146,6 +169,7 @@ class ModelConfig:
             vision_config=full if vision is not None else None,
             mrope_section=tuple(mrope) if mrope and vision is not None else None,
             rope_layers=_rope_layers(cfg) if family == "smollm3" else None,
+            **_experts(cfg, family),
         )
 
 
@@ -177,6 +201,32 @@ def _rope_layers(cfg: dict) -> tuple[int, ...]:
         raise ValueError(f"no_rope_layers has {len(layers)} entries for "
                          f"{cfg['num_hidden_layers']} layers")
     return tuple(int(bool(x)) for x in layers)
+
+
+def _experts(cfg: dict, family: str) -> dict:
+    """The mixture-of-experts fields of ModelConfig (none for a dense family), checked."""
+    # transformers 5 writes num_local_experts for both (num_experts is its alias; the Hub's
+    # Qwen3-MoE configs say num_experts).
+    n = cfg.get("num_local_experts", cfg.get("num_experts"))
+    if family == "mixtral":
+        n, inter, norm = 8 if n is None else n, cfg["intermediate_size"], True
+        k = cfg.get("num_experts_per_tok", 2)
+        layers = [1] * cfg["num_hidden_layers"]
+    elif family == "qwen3_moe":            # transformers' defaults
+        n, inter = 128 if n is None else n, cfg.get("moe_intermediate_size", 768)
+        norm, k = bool(cfg.get("norm_topk_prob", False)), cfg.get("num_experts_per_tok", 8)
+        dense, step = set(cfg.get("mlp_only_layers") or ()), cfg.get("decoder_sparse_step", 1)
+        layers = [int(n > 0 and i not in dense and (i + 1) % step == 0)
+                  for i in range(cfg["num_hidden_layers"])]
+    else:
+        return {}
+    if not any(layers):                     # no sparse layer: a dense model
+        return {}
+    if not 0 < k <= n:
+        raise ValueError(f"num_experts_per_tok {k} must be in [1, {n}] (the number of experts)")
+    return dict(num_experts=n, experts_per_token=k, moe_intermediate_size=inter,
+                norm_topk_prob=norm, routing_weights_fp32=family == "mixtral",
+                moe_layers=tuple(layers))
 
 
 def _eos_ids(cfg: dict, generation: dict) -> list[int]:

@@ -9,7 +9,9 @@ same kind of buffers, so the hidden state is bit for bit the module path's
 for everything else.
 
 It applies (`FastDecode.of` says None otherwise): float32 or bfloat16 on the CPU, one
-rank, no per-head q/k norm (Qwen3), RoPE in every layer (not SmolLM3), every linear layer a CpuLinear of the model's dtype
+rank, no per-head q/k norm (Qwen3), RoPE in every layer (not SmolLM3), dense MLPs only (not
+a mixture of experts: Qwen3-MoE, Mixtral; moe.py runs them in torch), every linear layer a
+CpuLinear of the model's dtype
 (or, float32 only, a QuantLinear), and the norm / RoPE / SiLU / decode-attention kernels
 available for the dtype; per step, when every row is a decode row on the attention kernel
 (`takes`). The embedding and the logits stay torch.
@@ -79,6 +81,7 @@ class FastDecode:
         if (model.tp is not None or dtype not in (torch.float32, torch.bfloat16)
                 or device.type != "cpu"
                 or c.qk_norm or c.rope_layers is not None     # decode.c rotates every layer
+                or c.moe_layers is not None                   # decode.c runs dense MLPs
                 or c.hidden_size < 8 or _kernels_for("cpu", dtype) is None
                 or not decode_kernel_fits(device, dtype, c.num_heads, c.num_kv_heads,
                                           c.head_dim)):
