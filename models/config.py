@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from wire.model_path import decoder_config, vision_architecture
+from wire.model_path import (decoder_config, expert_intermediate_size, num_experts,
+                             sparse_layers, vision_architecture)
 
 # HF architecture name -> family. Everything in the model file keys off the family.
 ARCHITECTURES = {
@@ -204,29 +205,20 @@ def _rope_layers(cfg: dict) -> tuple[int, ...]:
 
 
 def _experts(cfg: dict, family: str) -> dict:
-    """The mixture-of-experts fields of ModelConfig (none for a dense family), checked."""
-    # transformers 5 writes num_local_experts for both (num_experts is its alias; the Hub's
-    # Qwen3-MoE configs say num_experts).
-    n = cfg.get("num_local_experts", cfg.get("num_experts"))
-    if family == "mixtral":
-        n, inter, norm = 8 if n is None else n, cfg["intermediate_size"], True
-        k = cfg.get("num_experts_per_tok", 2)
-        layers = [1] * cfg["num_hidden_layers"]
-    elif family == "qwen3_moe":            # transformers' defaults
-        n, inter = 128 if n is None else n, cfg.get("moe_intermediate_size", 768)
-        norm, k = bool(cfg.get("norm_topk_prob", False)), cfg.get("num_experts_per_tok", 8)
-        dense, step = set(cfg.get("mlp_only_layers") or ()), cfg.get("decoder_sparse_step", 1)
-        layers = [int(n > 0 and i not in dense and (i + 1) % step == 0)
-                  for i in range(cfg["num_hidden_layers"])]
-    else:
+    """The mixture-of-experts fields of ModelConfig (none for a dense model), checked. Which
+    layers are sparse, and the defaults, are wire.model_path's (the launcher counts the
+    parameters by them too)."""
+    layers = sparse_layers(cfg)
+    if not any(layers):
         return {}
-    if not any(layers):                     # no sparse layer: a dense model
-        return {}
+    n = num_experts(cfg)
+    k = cfg.get("num_experts_per_tok", 2 if family == "mixtral" else 8)  # transformers'
     if not 0 < k <= n:
         raise ValueError(f"num_experts_per_tok {k} must be in [1, {n}] (the number of experts)")
-    return dict(num_experts=n, experts_per_token=k, moe_intermediate_size=inter,
-                norm_topk_prob=norm, routing_weights_fp32=family == "mixtral",
-                moe_layers=tuple(layers))
+    return dict(num_experts=n, experts_per_token=k,
+                moe_intermediate_size=expert_intermediate_size(cfg),
+                norm_topk_prob=family == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+                routing_weights_fp32=family == "mixtral", moe_layers=tuple(layers))
 
 
 def _eos_ids(cfg: dict, generation: dict) -> list[int]:
