@@ -10,10 +10,9 @@ for everything else.
 
 It applies (`FastDecode.of` says None otherwise): float32 or bfloat16 on the CPU, one
 rank, no per-head q/k norm (Qwen3), RoPE in every layer (not SmolLM3), dense MLPs only (not
-a mixture of experts: Qwen3-MoE, Mixtral; moe.py runs them in torch), every linear layer a
-CpuLinear of the model's dtype
-(or, float32 only, a QuantLinear), and the norm / RoPE / SiLU / decode-attention kernels
-available for the dtype; per step, when every row is a decode row on the attention kernel
+a mixture of experts, Qwen3-MoE or Mixtral: moe.py runs those in torch, so they decode
+layer by layer), every linear layer a CpuLinear of the model's dtype (or, float32 only, a
+QuantLinear), and the norm / RoPE / SiLU / decode-attention kernels available for the dtype; per step, when every row is a decode row on the attention kernel
 (`takes`). The embedding and the logits stay torch.
 """
 

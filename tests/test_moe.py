@@ -49,14 +49,15 @@ def tiny_moe(tmp_path_factory):
 # ---- the grouped forward ------------------------------------------------------------------
 
 def moe_config(fp32: bool, normalize: bool, experts: int = 6, k: int = 2) -> ModelConfig:
-    return ModelConfig(
-        architecture="MixtralForCausalLM", family="mixtral", vocab_size=8, hidden_size=16,
-        num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=12,
-        rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None, max_position_embeddings=64,
-        qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
-        tie_word_embeddings=False, sliding_window=None, num_experts=experts,
-        experts_per_token=k, moe_intermediate_size=12, norm_topk_prob=normalize,
-        routing_weights_fp32=fp32, moe_layers=(1,))
+    """One sparse layer: Mixtral's routing (float32 weights, always renormalized) or
+    Qwen3-MoE's (weights in the dtype, renormalized if asked)."""
+    arch = "MixtralForCausalLM" if fp32 else "Qwen3MoeForCausalLM"
+    config = ModelConfig.from_dict({
+        "architectures": [arch], "vocab_size": 8, "hidden_size": 16, "intermediate_size": 12,
+        "moe_intermediate_size": 12, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_local_experts": experts, "num_experts_per_tok": k, "norm_topk_prob": normalize})
+    assert (config.routing_weights_fp32, config.norm_topk_prob) == (fp32, normalize)
+    return config
 
 
 def naive_moe(block: moe.SparseMoE, x: torch.Tensor) -> torch.Tensor:
