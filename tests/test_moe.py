@@ -132,6 +132,19 @@ def test_bad_expert_counts_are_refused(tmp_path):
     assert c.num_experts == 0 and c.moe_layers is None and not c.sparse(0)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_experts_decode_on_the_torch_path(tiny_moe, family):
+    """FastDecode.of says None (decode.c runs dense MLPs only); the linear layers around
+    the experts still get the CPU kernels where there are some."""
+    model = load_model(tiny_moe(family), torch.float32, "cpu")
+    assert model.fast is None
+    assert isinstance(model.layers[0].mlp, moe.SparseMoE)
+    if family == "qwen3_moe":                           # mlp_only_layers=[1]
+        assert not isinstance(model.layers[1].mlp, moe.SparseMoE)
+    if kernels.linear_available("cpu", torch.float32):
+        assert not isinstance(model.layers[0].self_attn.qkv_proj, torch.nn.Linear)
+
+
 # ---- tensor parallelism in one process ----------------------------------------------------
 
 LENS, STARTS = [5, 1, 9, 3], [0, 7, 0, 300]
