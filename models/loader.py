@@ -36,6 +36,7 @@ import contextlib
 import functools
 import json
 import logging
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -252,19 +253,26 @@ def _quantize_int8(weight: torch.Tensor, bias: torch.Tensor | None,
                        None if bias is None else bias.detach(), int8_batch)
 
 
+_INIT_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _skip_init():
     """No random init for modules built on `meta`: every value is loaded afterwards, and
-    nn.Embedding's normal_ on meta imports torch._dynamo (seconds on a busy machine)."""
+    nn.Embedding's normal_ on meta imports torch._dynamo (seconds on a busy machine).
+    nn.init is global: one thread at a time patches and restores it (ranks that are threads
+    of one process, models/distributed.py ThreadGroup, would otherwise save each other's
+    no-ops as the originals and leave them in place for good)."""
     names = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "zeros_", "ones_")
-    saved = {name: getattr(nn.init, name) for name in names}
-    for name in names:
-        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(nn.init, name, fn)
+    with _INIT_LOCK:
+        saved = {name: getattr(nn.init, name) for name in names}
+        for name in names:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        try:
+            yield
+        finally:
+            for name, fn in saved.items():
+                setattr(nn.init, name, fn)
 
 
 def _zero_vocab_padding(params: dict[str, torch.Tensor], shard: Shard) -> None:
