@@ -12,17 +12,20 @@ and `mlp.experts.down_proj` ([E, hidden, I]).
 Grouped by expert: the step's N * k (token, expert) pairs are sorted by expert, and each
 chosen expert runs once, as two matmuls over the rows of the tokens that chose it
 (index_select); an expert no token chose costs nothing, and no Python loop runs per token.
-Each pair's output, times its routing weight, goes to the pair's slot, and a token's k
-slots are summed in its top-k order: the arithmetic of transformers' default experts
-implementation ("grouped_mm": per-pair weighted outputs, then a sum over k), so greedy
-outputs equal transformers'. The router is its too: softmax over the experts in float32,
+Each pair's output goes to the pair's slot (index_copy_); the slots are multiplied by their
+routing weights and a token's k slots summed in its top-k order: the arithmetic of
+transformers' default experts implementation ("grouped_mm": per-pair weighted outputs,
+then a sum over k; its "eager" one adds them into the output expert by expert instead,
+which differs in rounding only), so greedy outputs equal transformers'. The router is its too: softmax over the experts in float32,
 top k, renormalized if norm_topk_prob, and the weights cast to the model's dtype unless
 routing_weights_fp32 (Mixtral keeps them in float32, so its products and their sum are in
 float32, then cast back).
 
-The router and the experts stay torch (F.linear over stacked weights): the CPU linear
-kernels, --quantization int8's Q8_0 blocks and the one-call decode step (fast_decode.py)
-replace nn.Linear modules only, and a model with experts decodes on the torch path.
+The router and the experts stay torch (F.linear over the stacked weights): the CPU linear
+kernels and --quantization int8's Q8_0 blocks replace nn.Linear modules only, so they stay
+in the model's dtype, and the one-call decode step (fast_decode.py) runs dense MLPs only,
+so a model with experts decodes on the torch path, layer by layer.
+
 Tensor parallelism (`tp`): each rank holds every expert's share of the intermediate columns
 (models/tp.py: Shard.moe_inter), as the dense MLP is cut; the down projection is then
 row-parallel and the ranks' sums are all-reduced once, after the experts are summed. The
