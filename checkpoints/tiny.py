@@ -3,9 +3,10 @@
 This module owns three things:
 - CORPUS, a fixed multilingual text carried in the code, and `build_tokenizer`, which trains
   a byte-level BPE tokenizer on it (ChatML chat template, `<s>` prepended on encode);
-- `build_tiny_checkpoint`, which writes a tiny Llama / Qwen2 / Qwen3 / Mistral model with
-  seeded random weights as an ordinary Hugging Face directory (config.json,
-  generation_config.json, model.safetensors in float32, tokenizer files);
+- `build_tiny_checkpoint`, which writes a tiny Llama / Qwen2 / Qwen3 / Mistral model (or
+  SmolLM3, Qwen3-MoE, Mixtral: `_FAMILY_CONFIG`) with seeded random weights as an ordinary
+  Hugging Face directory (config.json, generation_config.json, model.safetensors in float32,
+  tokenizer files);
 - `ensure_checkpoint`, which builds one such directory once into a cache and returns it.
 
 Everything is a pure function of the code, the seed and the library versions: no clocks, no
@@ -237,6 +238,14 @@ _FAMILY_CONFIG = {
                                   "partial_rotary_factor": 0.75,
                                   "short_factor": [1.0, 1.0, 1.05, 1.1, 1.2, 1.4],
                                   "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]}),
+    # Mixtures of experts, not in FAMILIES either: tests/test_moe.py builds them. Qwen3-MoE:
+    # 8 experts, top 2 of them as they come (norm_topk_prob off), its second layer dense;
+    # Mixtral: 4 experts of intermediate_size, top 2 renormalized (always), every layer.
+    "qwen3_moe": dict(tie_word_embeddings=False, head_dim=32, attention_bias=False,
+                      use_sliding_window=False, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[1]),
+    "mixtral": dict(tie_word_embeddings=False, sliding_window=None, num_local_experts=4,
+                    num_experts_per_tok=2, intermediate_size=64),
 }
 # transformers' model_type where it is not the family's name.
 _MODEL_TYPE = {"gemma3": "gemma3_text", "mistral_window": "mistral"}
@@ -287,12 +296,17 @@ def _uniform(shape, seed: int):
 #    whose residual is dominated by its input embedding would do forever).
 #  - other norms 1 + NORM_NOISE * u and biases BIAS_SCALE * u: non-trivial on purpose, so a
 #    loader that drops a norm or a bias produces different greedy ids.
+#  - a mixture of experts' router ("gate") is a linear layer too: its logits then have std
+#    about LINEAR_GAIN, so the top experts stand clear of the rest (routing is decisive)
+#    and each token's choice varies; each expert's stacked [E, out, in] weights
+#    ("experts.gate_up_proj", "experts.down_proj") are E linear layers, scaled by fan-in.
 LINEAR_GAIN = 4.0
 FINAL_NORM_GAIN = 1.5
 NORM_NOISE = 0.25
 BIAS_SCALE = 0.5
 _LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-           "qkv_proj", "gate_up_proj")     # Phi-3 keeps q/k/v and gate/up fused
+           "qkv_proj", "gate_up_proj",     # Phi-3 keeps q/k/v and gate/up fused
+           "gate")                         # a mixture of experts' router
 
 
 def _init_weights(model, family: str, seed: int) -> None:
@@ -304,7 +318,10 @@ def _init_weights(model, family: str, seed: int) -> None:
         # named_parameters yields a tied lm_head once, as embed_tokens.
         for name, param in sorted(model.named_parameters()):
             u = _uniform(param.shape, _stable_seed(seed, family, name))
-            leaf = name.split(".")[-2]  # e.g. "q_proj" from "...self_attn.q_proj.weight"
+            # e.g. "q_proj" from "...self_attn.q_proj.weight"; a bare parameter names itself
+            # ("gate_up_proj" from "...mlp.experts.gate_up_proj")
+            parts = name.split(".")
+            leaf = parts[-2] if parts[-1] in ("weight", "bias") else parts[-1]
             offset = 1.0 if family in _GEMMA else 0.0    # Gemma scales by (1 + weight)
             if name == "model.norm.weight":
                 value = FINAL_NORM_GAIN * (1.0 + NORM_NOISE * u) - offset
@@ -317,7 +334,7 @@ def _init_weights(model, family: str, seed: int) -> None:
             elif leaf in ("embed_tokens", "lm_head"):
                 value = sqrt3 * u
             elif leaf in _LINEAR:
-                value = LINEAR_GAIN * sqrt3 / math.sqrt(param.shape[1]) * u
+                value = LINEAR_GAIN * sqrt3 / math.sqrt(param.shape[-1]) * u   # fan-in
             else:
                 raise RuntimeError(f"no init rule for parameter {name}")
             param.copy_(value)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from wire.model_path import decoder_config, vision_architecture
+from wire.model_path import (decoder_config, expert_intermediate_size, num_experts,
+                             sparse_layers, vision_architecture)
 
 from .rope import REQUIRED, ROPE_ALIASES, ROPE_TYPES
 
@@ -30,6 +31,8 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",          # fused checkpoint qkv / gate_up, partial rotary, longrope
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3 attention, mixture-of-experts MLPs (moe.py)
+    "MixtralForCausalLM": "mixtral",    # Mistral attention, mixture-of-experts MLPs (moe.py)
 }
 # Gemma's layer (models/gemma.py): (1 + weight) RMSNorms before and after attention and MLP,
 # GeGLU, embeddings scaled by sqrt(hidden), local (sliding) and global layers.
@@ -52,14 +55,14 @@ class LayerAttention:
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     architecture: str               # e.g. "Qwen3ForCausalLM"
-    family: str                     # a value of ARCHITECTURES
+    family: str                     # a value of ARCHITECTURES: "llama", "qwen3_moe", ...
     vocab_size: int
     hidden_size: int
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int                   # explicit in Qwen3/Mistral configs, may differ from hidden/heads
-    intermediate_size: int
+    intermediate_size: int          # a dense MLP's (Mixtral: each expert's, as its config says)
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict | None       # None for plain RoPE; else its parameters (rope.py)
@@ -67,7 +70,7 @@ class ModelConfig:
     qkv_bias: bool                  # qwen2: always; llama/qwen3: attention_bias; mistral: never
     o_bias: bool                    # llama/qwen3: attention_bias; qwen2/mistral: never
     mlp_bias: bool                  # llama only (`mlp_bias`)
-    qk_norm: bool                   # qwen3: per-head RMSNorm on q and k before RoPE
+    qk_norm: bool                   # qwen3(_moe): per-head RMSNorm on q and k before RoPE
     tie_word_embeddings: bool
     # Sliding-window attention: a query at position p attends positions > p - sliding_window
     # on the layers `layer_windows` marks (transformers' sliding_window_overlay); every layer
@@ -99,6 +102,21 @@ class ModelConfig:
     # or Phi-3's partial_rotary_factor of it; the rest pass through unrotated.
     rotary_dim: int | None = None
 
+    # Mixtures of experts (Qwen3-MoE, Mixtral; models/moe.py). Invariant: num_experts > 0
+    # exactly when moe_layers is not None (a config whose layers are all dense is a dense
+    # model: 0 experts). moe_layers: 1 for a layer whose MLP is the sparse one, 0 for a
+    # dense MLP of intermediate_size (Qwen3-MoE's mlp_only_layers, decoder_sparse_step); None: all dense.
+    # The router takes the top experts_per_token of the softmax over the experts and
+    # renormalizes their probabilities to sum to 1 if norm_topk_prob (Mixtral always);
+    # routing_weights_fp32: the weights multiply the experts' outputs in float32 (Mixtral)
+    # rather than cast to the model's dtype first (Qwen3-MoE), as transformers does.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    routing_weights_fp32: bool = False
+    moe_layers: tuple[int, ...] | None = None
+
     @property
     def gemma(self) -> bool:
         return self.family in GEMMA_FAMILIES
@@ -109,6 +127,10 @@ class ModelConfig:
         windows = self.layer_windows or (1,) * self.num_layers
         return tuple(LayerAttention(scale, self.sliding_window if w else None,
                                     self.attn_softcap) for w in windows)
+
+    def sparse(self, layer_id: int) -> bool:
+        """Does layer `layer_id` have the mixture-of-experts MLP (else a dense one)?"""
+        return self.moe_layers is not None and bool(self.moe_layers[layer_id])
 
     @property
     def q_size(self) -> int:
@@ -186,12 +208,14 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            qkv_bias={"qwen2": True, "mistral": False}.get(family, attention_bias),
-            o_bias=family in ("llama", "qwen3", "smollm3") and attention_bias,
+            qkv_bias={"qwen2": True, "mistral": False, "mixtral": False}.get(family,
+                                                                            attention_bias),
+            o_bias=family in ("llama", "qwen3", "qwen3_moe", "smollm3") and attention_bias,
             mlp_bias=family in ("llama", "smollm3") and bool(cfg.get("mlp_bias", False)),
-            qk_norm=family in ("qwen3", "gemma3"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-            sliding_window=(cfg.get("sliding_window") if family in ("mistral", "phi3") or gemma
+            sliding_window=(cfg.get("sliding_window")
+                            if family in ("mistral", "mixtral", "phi3") or gemma
                             else None),
             eos_token_ids=_eos_ids(cfg, generation or {}),
             bos_token_id=cfg.get("bos_token_id"),
@@ -208,6 +232,7 @@ class ModelConfig:
             final_softcap=_positive(cfg.get("final_logit_softcapping")) if gemma else None,
             local_rope_theta=local_theta if family == "gemma3" else None,
             rotary_dim=rotary_dim,
+            **_experts(cfg, family),
         )
 
 
@@ -304,6 +329,23 @@ def _rope_layers(cfg: dict) -> tuple[int, ...]:
         raise ValueError(f"no_rope_layers has {len(layers)} entries for "
                          f"{cfg['num_hidden_layers']} layers")
     return tuple(int(bool(x)) for x in layers)
+
+
+def _experts(cfg: dict, family: str) -> dict:
+    """The mixture-of-experts fields of ModelConfig (none for a dense model), checked. Which
+    layers are sparse, and the defaults, are wire.model_path's (the launcher counts the
+    parameters by them too)."""
+    layers = sparse_layers(cfg)
+    if not any(layers):
+        return {}
+    n = num_experts(cfg)
+    k = cfg.get("num_experts_per_tok", 2 if family == "mixtral" else 8)  # transformers'
+    if not 0 < k <= n:
+        raise ValueError(f"num_experts_per_tok {k} must be in [1, {n}] (the number of experts)")
+    return dict(num_experts=n, experts_per_token=k,
+                moe_intermediate_size=expert_intermediate_size(cfg),
+                norm_topk_prob=family == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+                routing_weights_fp32=family == "mixtral", moe_layers=tuple(layers))
 
 
 def _eos_ids(cfg: dict, generation: dict) -> list[int]:

@@ -11,12 +11,14 @@ for everything else.
 It applies (`FastDecode.of` says None otherwise): float32 or bfloat16 on the CPU, one
 rank, no per-head q/k norm (Qwen3), RoPE in every layer (not SmolLM3) and on whole heads
 (not Phi-3's partial rotary: decode.c rotates every dim of a head by one table), Llama's
-layer (not Gemma's), every linear layer a CpuLinear of the model's dtype (or, float32 only,
-a QuantLinear), and the norm / RoPE / SiLU / decode-attention kernels available for the
-dtype; per step, when every row is a decode row on the attention kernel and no row is
-longer than a sliding window (`takes`). The embedding and the logits stay torch. Every rope
-type is just another table (rope.py folds YaRN's and LongRoPE's attention factor into it),
-and decode.c reads the model's own `cos_sin`, so those run here too.
+layer (not Gemma's), dense MLPs only (not a mixture of experts, Qwen3-MoE or Mixtral:
+moe.py runs those in torch, so they decode layer by layer), every linear layer a CpuLinear
+of the model's dtype (or, float32 only, a QuantLinear), and the norm / RoPE / SiLU /
+decode-attention kernels available for the dtype; per step, when every row is a decode row
+on the attention kernel and no row is longer than a sliding window (`takes`). The embedding
+and the logits stay torch. Every rope type is just another table (rope.py folds YaRN's and
+LongRoPE's attention factor into it), and decode.c reads the model's own `cos_sin`, so
+those run here too.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class FastDecode:
                 or c.qk_norm or c.rope_layers is not None     # decode.c rotates every layer
                 or c.gemma                                    # and runs Llama's layer
                 or model.cos_sin.shape[-1] != c.head_dim       # ... and every dim of a head
+                or c.moe_layers is not None                   # decode.c runs dense MLPs
                 or c.hidden_size < 8 or _kernels_for("cpu", dtype) is None
                 or not decode_kernel_fits(device, dtype, c.num_heads, c.num_kv_heads,
                                           c.head_dim)):

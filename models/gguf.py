@@ -327,6 +327,9 @@ def config_dict(header: GGUFHeader) -> dict:
     if int(meta.get("split.count", 1)) > 1:
         raise ValueError(f"{name}: split GGUF files are not supported; merge them first "
                          f"(llama-gguf-split --merge)")
+    if int(meta.get(f"{arch}.expert_count", 0) or 0) > 0:    # Mixtral's files say "llama"
+        raise ValueError(f"{name}: a mixture of experts from a GGUF file is not supported yet "
+                         f"(serve its safetensors directory: Qwen3-MoE and Mixtral are)")
 
     def get(key, default=KeyError):
         value = meta.get(f"{arch}.{key}", default)

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3; Gemma 2 and 3 with
-their own layer: gemma.py) in plain torch.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Phi-3, the mixtures of
+experts Qwen3-MoE and Mixtral; Gemma 2 and 3 with their own layer: gemma.py) in plain torch.
 
 The model runs over a flat, ragged batch: N tokens from any number of requests, each token
 with its own position. Everything that mixes tokens of one request lives in the `attn`
@@ -13,9 +13,11 @@ token, so the batch layout never matters to this file.
 
 The families differ only in config flags (see ModelConfig): qkv/o/mlp biases, Qwen3's
 per-head q/k RMSNorm, SmolLM3's layers without RoPE, Phi-3's partial rotary (RoPE on the
-first rotary_dim dims of each head), tied embeddings and the RoPE table (rope.py: every
-rope type is a different table). q/k/v and gate/up are fused into one matmul each; the
-loader fills the fused weights from the checkpoint's parts (or, Phi-3, its fused tensors).
+first rotary_dim dims of each head), tied embeddings, the RoPE table (rope.py: every rope
+type is a different table), and which layers' MLP is a mixture of experts (moe.py:
+SparseMoE; the others keep the dense MLP). q/k/v and gate/up are fused into one matmul
+each; the loader fills the fused weights from the checkpoint's parts (or, Phi-3, its fused
+tensors).
 Tensor parallelism (`tp`, a group of models/distributed.py with size > 1): the module is built
 with this rank's share of the heads, MLP columns and vocabulary (models/tp.py: Shard), and
 three hooks join the ranks: the embedding and the two row-parallel projections (o_proj,
@@ -40,6 +42,7 @@ from models.distributed import SOLO
 
 from .config import ModelConfig
 from .gemma import GemmaDecoderLayer, GemmaRMSNorm
+from .moe import SparseMoE
 from .ops import ACT_AND_MUL, Rotary, rms_norm, rope_
 from .rope import cos_sin_table
 from .tp import Shard
@@ -158,7 +161,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = SelfAttention(config, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, tp)
+        self.mlp = SparseMoE(config, tp) if config.sparse(layer_id) else MLP(config, tp)
 
     def forward(self, x: Tensor, residual: Tensor | None, rotary: Rotary,
                 attn: AttentionBackend) -> tuple[Tensor, Tensor]:
@@ -175,7 +178,8 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     """Parameter names are HF's minus the `model.` prefix, with q/k/v fused into
-    `self_attn.qkv_proj` and gate/up into `mlp.gate_up_proj` (see loader.py); under tensor
+    `self_attn.qkv_proj` and gate/up into `mlp.gate_up_proj` (see loader.py), and a sparse
+    layer's experts stacked as transformers 5 holds them (moe.py); under tensor
     parallelism the row-parallel biases are `self_attn.o_bias` and `mlp.down_bias`.
 
     `config` is the whole model's; `self.config` is what this rank holds (its heads, MLP

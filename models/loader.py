@@ -22,7 +22,12 @@ GGUF file's linear layers in their blocks wherever every part is of a type it ke
 embedding too when that is of such a type (QuantEmbedding): they are never dequantized,
 their parameters never allocated. "int8" quantizes a float checkpoint's linear layers to
 Q8_0 blocks once loaded; "none" dequantizes (or keeps) floats. Norms, and any layer of
-another type, stay in the dtype.
+another type, stay in the dtype; so do a mixture of experts' router and expert stacks
+(moe.py: they are not nn.Linear modules).
+
+A mixture of experts (Qwen3-MoE, Mixtral) comes from safetensors in either layout
+transformers 5 reads: one tensor per expert (the Hub's, and save_pretrained's) or the
+experts stacked (`_EXPERT_PARTS`); each expert's tensors fill its slice of the stacks.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import contextlib
 import functools
 import json
 import logging
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +47,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .llama import ROW_BIASES, CausalLM
+from .moe import Experts
 from models import kernels
 from models.distributed import SOLO
 from .cpu_linear import CpuLinear
@@ -65,9 +72,21 @@ _FUSED = {
 # same order (Phi-3's qkv_proj, gate_up_proj): each is read straight into our parameter.
 _FUSED_IN_CHECKPOINT = ("phi3",)
 
-# A checkpoint tensor's destination: our parameter, the rows of it the tensor fills, and
-# which part of the tensor this rank takes (None: all of it).
-Target = tuple[str, slice, Selection | None]
+# A mixture of experts' checkpoint names (moe.py), per family: the block's module, then
+# each expert's gate, up and down projections, as Hub checkpoints and transformers 5's
+# save_pretrained write them: one 2-D tensor per expert ("model.layers.3.mlp.experts.7.
+# gate_proj.weight"; Mixtral's "block_sparse_moe.experts.7.w1.weight"), the router
+# "<block>.gate.weight". Or stacked, as transformers 5's modules hold them (save_pretrained
+# with save_original_format=False), for both families: "mlp.experts.gate_up_proj",
+# "mlp.experts.down_proj" and the router "mlp.gate.weight": our own parameters' names.
+_EXPERT_PARTS = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                 "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+_STACKED = "experts.gate_up_proj"           # a checkpoint that has it holds its experts stacked
+
+# A checkpoint tensor's destination: our parameter, the part of it the tensor fills (rows,
+# or an index such as (expert, rows)), and which part of the tensor this rank takes (None:
+# all of it).
+Target = tuple[str, slice | tuple, Selection | None]
 
 
 def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.device,
@@ -139,7 +158,7 @@ def describe_weights(model: nn.Module) -> dict:
     types, e.g. "Q4_K+Q6_K" for a fused layer kept in two, or the dtype it was dequantized
     or loaded in) with how many layers have it, the embedding's, and the bytes the weights
     hold: the parameters and the blocks (a table shared by the embedding and a tied head
-    once)."""
+    once); for a mixture of experts, how many layers hold expert stacks and their dtype."""
     def form(module) -> str:             # block types, or the dtype
         return (module.qtype if isinstance(module, (QuantLinear, QuantEmbedding))
                 else str(module.weight.dtype).removeprefix("torch."))
@@ -156,8 +175,13 @@ def describe_weights(model: nn.Module) -> dict:
             held[t.data_ptr()] = t.numel() * t.element_size()
         except RuntimeError:            # a layout with no plain storage (oneDNN's)
             held[id(t)] = t.numel() * t.element_size()
-    return {"linear_layers": dict(sorted(forms.items())), "embedding": form(model.embed_tokens),
-            "bytes": sum(held.values())}
+    out = {"linear_layers": dict(sorted(forms.items())), "embedding": form(model.embed_tokens),
+           "bytes": sum(held.values())}
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    if experts:     # a mixture of experts' stacks (moe.py): in the dtype, whatever --quantization
+        out["experts"] = {"layers": len(experts),
+                          "dtype": str(experts[0].down_proj.dtype).removeprefix("torch.")}
+    return out
 
 
 def _check_quantization(quantization: str, is_gguf: bool, device: torch.device, tp) -> None:
@@ -235,19 +259,26 @@ def _quantize_int8(weight: torch.Tensor, bias: torch.Tensor | None,
                        None if bias is None else bias.detach(), int8_batch)
 
 
+_INIT_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _skip_init():
     """No random init for modules built on `meta`: every value is loaded afterwards, and
-    nn.Embedding's normal_ on meta imports torch._dynamo (seconds on a busy machine)."""
+    nn.Embedding's normal_ on meta imports torch._dynamo (seconds on a busy machine).
+    nn.init is global: one thread at a time patches and restores it (ranks that are threads
+    of one process, models/distributed.py ThreadGroup, would otherwise save each other's
+    no-ops as the originals and leave them in place for good)."""
     names = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "zeros_", "ones_")
-    saved = {name: getattr(nn.init, name) for name in names}
-    for name in names:
-        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(nn.init, name, fn)
+    with _INIT_LOCK:
+        saved = {name: getattr(nn.init, name) for name in names}
+        for name in names:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        try:
+            yield
+        finally:
+            for name, fn in saved.items():
+                setattr(nn.init, name, fn)
 
 
 def _zero_vocab_padding(params: dict[str, torch.Tensor], shard: Shard) -> None:
@@ -263,10 +294,13 @@ def _load_safetensors(model_dir: Path, config: ModelConfig, params: dict[str, to
                       shard: Shard | None = None) -> None:
     """Copy every tensor of the directory's safetensors files (this rank's part of each,
     under tensor parallelism) into its rows of params."""
-    targets = _checkpoint_targets(shard.config if shard is not None else config, params, shard)
+    files = _safetensors_files(model_dir)
+    stacked = config.num_experts > 0 and any(_holds(path, _STACKED) for path in files)
+    targets = _checkpoint_targets(shard.config if shard is not None else config, params, shard,
+                                  stacked)
     names = checkpoint_names(config)
     filled, unexpected = set(), []
-    for path in _safetensors_files(model_dir):
+    for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for stored in f.keys():
                 key = names.canonical(stored)
@@ -320,8 +354,8 @@ def _read_selection(src, sel: Selection) -> torch.Tensor:
     once, a list of rows (kv heads expanded on an uneven split, a fused tensor's parts) as
     runs of consecutive rows."""
     if isinstance(sel.index, slice):
-        return src[sel.index] if sel.dim == 0 else src[:, sel.index]
-    if sel.dim != 0:
+        return src[sel.key]
+    if sel.dim != 0:                    # the stacked experts' gate and up columns
         return sel.take(src[:])
     runs, rows = [], sel.index
     start = 0
@@ -333,10 +367,11 @@ def _read_selection(src, sel: Selection) -> torch.Tensor:
 
 
 def _checkpoint_targets(config: ModelConfig, params: dict[str, torch.Tensor],
-                        shard: Shard | None = None) -> dict[str, Target]:
-    """Checkpoint tensor name -> (our parameter name, the rows of it that tensor fills, the
+                        shard: Shard | None = None, stacked: bool = False) -> dict[str, Target]:
+    """Checkpoint tensor name -> (our parameter name, the part of it that tensor fills, the
     part of the tensor this rank takes). config: the one the module was built with (this
-    rank's under tensor parallelism)."""
+    rank's under tensor parallelism). stacked: the checkpoint's experts are stacked, not one
+    tensor each (_EXPERT_PARTS)."""
     part_rows = {"q_proj": config.q_size, "k_proj": config.kv_size, "v_proj": config.kv_size,
                  "gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
     names = checkpoint_names(config)
@@ -348,6 +383,9 @@ def _checkpoint_targets(config: ModelConfig, params: dict[str, torch.Tensor],
     for name in params:
         if name.startswith("vision."):                          # an image encoder's, whole
             targets[names.encoder + name.removeprefix("vision.")] = (name, slice(None), None)
+            continue
+        if ".mlp.gate." in name or ".mlp.experts." in name:     # a mixture of experts'
+            targets.update(_expert_targets(config, name, names.decoder, shard, stacked))
             continue
         module, kind = name.rsplit(".", 1)                      # kind: "weight" | "bias"
         hf_module = names.head if module == "lm_head" else f"{names.decoder}{module}"
@@ -375,6 +413,34 @@ def _checkpoint_targets(config: ModelConfig, params: dict[str, torch.Tensor],
                                                  select(part, kind))
             start += n
     return targets
+
+
+def _holds(path: Path, suffix: str) -> bool:
+    """Does the safetensors file have a tensor whose name ends with `suffix`?"""
+    with safe_open(path, framework="pt", device="cpu") as f:
+        return any(key.endswith(suffix) for key in f.keys())
+
+
+def _expert_targets(config: ModelConfig, name: str, prefix: str, shard: Shard | None,
+                    stacked: bool) -> dict[str, Target]:
+    """_checkpoint_targets for one parameter of a SparseMoE (moe.py): the router
+    "layers.3.mlp.gate.weight" or a stack "layers.3.mlp.experts.gate_up_proj" /
+    ".down_proj", from a checkpoint of either layout (_EXPERT_PARTS)."""
+    layer, _, ours = name.partition(".mlp.")                  # "layers.3", "experts.down_proj"
+    if stacked:
+        sel = (None if shard is None or ours == "gate.weight"
+               else shard.select_stacked(ours.removeprefix("experts.")))
+        return {f"{prefix}{name}": (name, slice(None), sel)}
+    block, gate, up, down = _EXPERT_PARTS[config.family]
+    module = f"{prefix}{layer}.{block}"
+    if ours == "gate.weight":                                   # the router: replicated
+        return {f"{module}.gate.weight": (name, slice(None), None)}
+    i = config.moe_intermediate_size                            # this rank's share
+    parts = ([(gate, "gate_proj", slice(0, i)), (up, "up_proj", slice(i, 2 * i))]
+             if ours == "experts.gate_up_proj" else [(down, "down_proj", slice(None))])
+    return {f"{module}.experts.{e}.{leaf}.weight":
+            (name, (e, rows), None if shard is None else shard.select(hf, "weight", expert=True))
+            for e in range(config.num_experts) for leaf, hf, rows in parts}
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:

@@ -11,6 +11,9 @@ Megatron's layout, as SGLang and vLLM use it:
   q/k/v (fused qkv_proj) are column-parallel: a rank computes its own heads whole; o_proj is
   row-parallel: each rank multiplies its heads' columns and the partial sums are all-reduced.
 - MLP: gate/up (fused) column-parallel over `part(I, T, r)`, down_proj row-parallel.
+- mixture of experts (moe.py): every expert cut as the MLP is, over
+  `part(moe_intermediate_size, T, r)`; the router is replicated. A checkpoint holds the
+  experts one tensor each (2-D, as the MLP's) or stacked [E, ...] (`select_stacked`).
 - A row-parallel layer is built without its bias; the model adds the bias once, after the
   all-reduce (else it would be summed T times).
 - vocabulary: embedding and LM head rows in blocks of Vs = ceil(V / T) (the last block
@@ -75,10 +78,15 @@ class Selection:
         shape[self.dim] = self.full
         return tuple(shape)
 
+    @property
+    def key(self) -> tuple:
+        """The selection as an index into a full tensor (a slice only)."""
+        return (slice(None),) * self.dim + (self.index,)
+
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """This selection of a full tensor `t`."""
         if isinstance(self.index, slice):
-            return t[self.index] if self.dim == 0 else t[:, self.index]
+            return t[self.key]
         return t.index_select(self.dim, torch.tensor(self.index, dtype=torch.int64))
 
 
@@ -92,6 +100,7 @@ class Shard:
     q_heads: tuple[int, int]        # [lo, hi) of the global q heads
     kv_heads: tuple[int, ...]       # global kv head of each local kv head
     inter: tuple[int, int]          # [lo, hi) of the MLP's intermediate columns
+    moe_inter: tuple[int, int]      # [lo, hi) of each expert's intermediate columns
     vocab: tuple[int, int]          # [lo, hi) of the real vocabulary rows held
     vocab_rows: int                 # Vs: rows of the local embedding / LM head (padded)
     config: ModelConfig             # the per-rank config the module is built with
@@ -101,37 +110,43 @@ class Shard:
         h, k, i, v = full.num_heads, full.num_kv_heads, full.intermediate_size, full.vocab_size
         if not 0 <= rank < size:
             raise ValueError(f"tensor-parallel rank {rank} is not in [0, {size})")
-        if size > h or size > i:
+        columns = min(i, full.moe_intermediate_size) if full.num_experts else i
+        if size > h or size > columns:
             raise ValueError(f"--tp-size {size} is more than the model's {h} attention heads "
-                             f"or {i} MLP columns")
+                             f"or {columns} MLP columns")
         if h % k:
             raise ValueError(f"{h} attention heads are not a multiple of {k} kv heads")
         q_heads, inter = part(h, size, rank), part(i, size, rank)
+        moe_inter = part(full.moe_intermediate_size, size, rank)
         kv = tuple(kv_ids(h, k, size, rank))
         rows = -(-v // size)
         vocab = (min(rank * rows, v), min((rank + 1) * rows, v))
         config = dataclasses.replace(full, num_heads=q_heads[1] - q_heads[0],
                                      num_kv_heads=len(kv), intermediate_size=inter[1] - inter[0],
+                                     moe_intermediate_size=moe_inter[1] - moe_inter[0],
                                      vocab_size=rows)
-        return cls(full, size, rank, q_heads, kv, inter, vocab, rows, config)
+        return cls(full, size, rank, q_heads, kv, inter, moe_inter, vocab, rows, config)
 
-    def select(self, part_name: str, kind: str) -> Selection | None:
+    def select(self, part_name: str, kind: str, expert: bool = False) -> Selection | None:
         """The rows or columns of the full checkpoint tensor of `part_name` (q_proj, down_proj,
         embed_tokens, ...; HF's leaf module names) and `kind` ("weight" | "bias") this rank
-        loads; None: the whole tensor (replicated)."""
+        loads; None: the whole tensor (replicated). expert: gate_proj, up_proj or down_proj
+        is one expert's (cut over moe_inter)."""
         c, d = self.full, self.full.head_dim
+        inter, full_inter = ((self.moe_inter, c.moe_intermediate_size) if expert
+                             else (self.inter, c.intermediate_size))
         if part_name == "q_proj":
             lo, hi = self.q_heads
             return Selection(0, slice(lo * d, hi * d), c.num_heads * d)
         if part_name in ("k_proj", "v_proj"):
             return Selection(0, _head_rows(self.kv_heads, d), c.num_kv_heads * d)
         if part_name in ("gate_proj", "up_proj"):
-            return Selection(0, slice(*self.inter), c.intermediate_size)
+            return Selection(0, slice(*inter), full_inter)
         if part_name in ROW_PARTS and kind == "weight":
             if part_name == "o_proj":
                 lo, hi = self.q_heads
                 return Selection(1, slice(lo * d, hi * d), c.num_heads * d)
-            return Selection(1, slice(*self.inter), c.intermediate_size)
+            return Selection(1, slice(*inter), full_inter)
         if part_name in VOCAB_PARTS:
             return Selection(0, slice(*self.vocab), c.vocab_size)
         return None
@@ -149,6 +164,15 @@ class Shard:
             rows.extend(start + r for r in picked)
             start += sel.full
         return Selection(0, rows, start)
+    def select_stacked(self, param: str) -> Selection:
+        """This rank's part of the experts stacked in one tensor, as transformers 5 holds
+        them: "gate_up_proj" [E, 2 * I, hidden] (its gate rows, then its up rows, of every
+        expert) or "down_proj" [E, hidden, I]."""
+        lo, hi = self.moe_inter
+        i = self.full.moe_intermediate_size
+        if param == "gate_up_proj":
+            return Selection(1, [*range(lo, hi), *range(i + lo, i + hi)], 2 * i)
+        return Selection(2, slice(lo, hi), i)
 
     @property
     def real_vocab_rows(self) -> int:

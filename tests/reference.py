@@ -5,7 +5,9 @@ another dtype, eval, no_grad, eager attention, no EOS stop) and also returns eac
 top-1 minus top-2 logit margin, so a test can tell a real mismatch from a near-tie that
 float rounding may legitimately flip.
 `assert_greedy_match` compares our ids with the reference up to its first near-tie;
-`assert_served_greedy` does that for a test server's unary, batch and streamed outputs.
+`assert_served_greedy` does that for a test server's unary, batch and streamed outputs,
+`assert_output_greedy` for one served /generate output, and `shared_prefix_prompts` makes
+prompts that exercise the prefix cache.
 
 `split` (greedy_reference): prefill the prompt in two forwards, prompt[:split] and then the
 rest. transformers picks LongRoPE's short or long factors per forward, by the longest
@@ -16,6 +18,7 @@ prompt longer than that gets exactly the factors zserve's table gives each posit
 from __future__ import annotations
 
 import pathlib
+import random
 
 import torch
 
@@ -126,6 +129,23 @@ def assert_greedy_match(ours: list[int], ref_ids: list[int], ref_margins: list[f
             f"(reference margin there {ref_margins[i]:.3g}; compared {len(expected)} steps"
             + (f", first near-tie at step {tie}" if tie is not None else "") + ")\n"
             f"  ours[{lo}:{i + 4}]: {got[lo:i + 4]}\n  ref[{lo}:{i + 4}]:  {expected[lo:i + 4]}")
+
+
+def assert_output_greedy(model_dir, prompt: list[int], out: dict, max_new_tokens: int) -> None:
+    """A served greedy /generate output (EOS ignored) for `prompt`: its ids equal
+    transformers' up to the first near tie (assert_greedy_match), its prompt counted."""
+    ref_ids, margins = greedy_reference(model_dir, prompt, max_new_tokens)
+    assert_greedy_match(out["output_ids"], ref_ids, margins)
+    assert out["meta_info"]["prompt_tokens"] == len(prompt)
+
+
+def shared_prefix_prompts(seed: int, n: int, prefix_len: int = 48) -> list[list[int]]:
+    """n prompts sharing a long common prefix, with distinct suffixes of mixed lengths (ids
+    in [5, 700): the tiny checkpoints' vocabulary, past the special tokens)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(5, 700) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(5, 700) for _ in range(rng.randrange(1, 12))]
+            for _ in range(n)]
 
 
 def assert_greedy_through_ties(ours: list[int], ref_ids: list[int], margins: list[float],

@@ -21,7 +21,8 @@ import torch
 
 from models import kernels
 from tests.conftest import FAMILIES
-from tests.reference import assert_greedy_match, greedy_reference
+from tests.reference import (assert_greedy_match, assert_output_greedy, greedy_reference,
+                             shared_prefix_prompts as prompts)
 from tests.server import serving, wait_idle
 
 pytestmark = pytest.mark.e2e
@@ -38,18 +39,8 @@ CONFIGS = {                                    # name: (flags, environment)
 CACHING = ("radix", "tp2")          # the radix cache on, default pool
 
 
-def prompts(seed: int, n: int, prefix_len: int = 48) -> list[list[int]]:
-    """n prompts sharing a long common prefix, with distinct suffixes of mixed lengths."""
-    rng = random.Random(seed)
-    prefix = [rng.randrange(5, 700) for _ in range(prefix_len)]
-    return [prefix + [rng.randrange(5, 700) for _ in range(rng.randrange(1, 12))]
-            for _ in range(n)]
-
-
 def check(model_dir, prompt: list[int], out: dict, max_new: int = MAX_NEW) -> None:
-    ref_ids, margins = greedy_reference(model_dir, prompt, max_new)
-    assert_greedy_match(out["output_ids"], ref_ids, margins)
-    assert out["meta_info"]["prompt_tokens"] == len(prompt)
+    assert_output_greedy(model_dir, prompt, out, max_new)
 
 
 # Every engine configuration on one family, every family on the default configuration:

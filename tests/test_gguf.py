@@ -603,7 +603,7 @@ def _yarn(w):
     w.add_rope_scaling_orig_ctx_len(128)
 
 
-@pytest.mark.parametrize("case", ["architecture", "tensor_type", "rope_scaling"])
+@pytest.mark.parametrize("case", ["architecture", "tensor_type", "rope_scaling", "experts"])
 def test_unsupported_gguf_is_refused_in_one_line(tiny_model, tmp_path, case):
     hf_dir, path = tiny_model("llama"), tmp_path / f"{case}.gguf"
     if case == "architecture":
@@ -612,6 +612,9 @@ def test_unsupported_gguf_is_refused_in_one_line(tiny_model, tmp_path, case):
     elif case == "rope_scaling":
         write_gguf(hf_dir, path, metadata=_yarn)
         pattern = r"unsupported rope type 'yarn'"
+    elif case == "experts":                     # how llama.cpp writes Mixtral: "llama" + experts
+        write_gguf(hf_dir, path, metadata=lambda w: w.add_expert_count(4))
+        pattern = r"a mixture of experts from a GGUF file is not supported yet"
     else:
         write_gguf(hf_dir, path, F32)
         _retype_tensor(path, "token_embd.weight", gguf.GGMLQuantizationType.I32)

@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig,
-                          MistralConfig, Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config)
+                          MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+                          Qwen3MoeConfig, SmolLM3Config)
 
 from model_helpers import DenseCausalAttention
 from models import ModelConfig, load_model
@@ -61,6 +62,12 @@ FAMILIES = {
                                    "rope_type": "longrope", "rope_theta": 10000.0,
                                    "short_factor": [1.0, 1.0, 1.05, 1.1, 1.2, 1.4],
                                    "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]}),
+    # mixtures of experts: 4 experts, top 2; Qwen3-MoE's unnormalized, its second layer
+    # dense (mlp_only_layers); Mixtral's renormalized, every layer sparse
+    "qwen3_moe": lambda: Qwen3MoeConfig(**SMALL, head_dim=32, num_experts=4,
+                                        num_experts_per_tok=2, moe_intermediate_size=32,
+                                        mlp_only_layers=[1]),
+    "mixtral": lambda: MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2),
 }
 
 
@@ -221,6 +228,19 @@ def test_sharded_checkpoint(tmp_path):
     hf = make_checkpoint(FAMILIES["qwen3"](), tmp_path, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    model = load_model(tmp_path, torch.float32, "cpu")
+    ids = torch.arange(20)
+    torch.testing.assert_close(our_logits(model, [(ids, 0)]), hf_logits(hf, ids),
+                               atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_experts_stacked_in_the_checkpoint(tmp_path, family):
+    """transformers 5's own layout (save_original_format=False): each layer's experts in
+    one [E, 2 * I, hidden] gate_up and one [E, hidden, I] down tensor, Mixtral's
+    block_sparse_moe renamed mlp; the same model as the Hub's one tensor per expert."""
+    hf = make_checkpoint(FAMILIES[family](), tmp_path, save_original_format=False)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in load_file(tmp_path / "model.safetensors")
     model = load_model(tmp_path, torch.float32, "cpu")
     ids = torch.arange(20)
     torch.testing.assert_close(our_logits(model, [(ids, 0)]), hf_logits(hf, ids),

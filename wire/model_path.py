@@ -23,7 +23,8 @@ from pathlib import Path
 # each to its family).
 TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                       "Qwen3ForCausalLM", "SmolLM3ForCausalLM", "Phi3ForCausalLM",
-                      "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                      "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
+                      "MixtralForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,11 +241,55 @@ def _num_params(c: dict) -> int:
     head_dim = c.get("head_dim") or hidden // heads
     kv = (c.get("num_key_value_heads") or heads) * head_dim
     q = heads * head_dim
-    layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter + 2 * hidden
-    if "Qwen3ForCausalLM" in (c.get("architectures") or []):
+    layer = hidden * (q + 2 * kv) + q * hidden + 2 * hidden
+    archs = c.get("architectures") or []
+    if "Qwen3ForCausalLM" in archs or "Qwen3MoeForCausalLM" in archs:
         layer += 2 * head_dim                              # q_norm, k_norm
+    # A mixture of experts: each sparse layer's experts (all of them, not only the active
+    # ones) and router in place of the dense MLP.
+    sparse = sum(sparse_layers(c))
+    expert = 3 * hidden * expert_intermediate_size(c) + hidden if sparse else 0
+    mlps = (c["num_hidden_layers"] - sparse) * 3 * hidden * inter + \
+        sparse * num_experts(c) * expert
     embeddings = vocab * hidden * (1 if c.get("tie_word_embeddings") else 2)
-    return c["num_hidden_layers"] * layer + embeddings + hidden
+    return c["num_hidden_layers"] * layer + mlps + embeddings + hidden
+
+
+# Mixtures of experts: what a config says of its experts, read once here for the launcher
+# (_num_params) and the model (models/config.py), with transformers' defaults.
+
+def num_experts(c: dict) -> int:
+    """Experts per sparse layer. transformers 5 writes num_local_experts for Qwen3-MoE and
+    Mixtral alike (num_experts is its alias; the Hub's Qwen3-MoE configs say num_experts)."""
+    n = c.get("num_local_experts", c.get("num_experts"))
+    if n is not None:
+        return int(n)
+    return {"Qwen3MoeForCausalLM": 128, "MixtralForCausalLM": 8}.get(_moe_arch(c), 0)
+
+
+def expert_intermediate_size(c: dict) -> int:
+    """Each expert's intermediate width (Mixtral's experts are its intermediate_size)."""
+    if _moe_arch(c) == "MixtralForCausalLM":
+        return int(c["intermediate_size"])
+    return int(c.get("moe_intermediate_size", 768))
+
+
+def sparse_layers(c: dict) -> list[int]:
+    """1 for each layer whose MLP is the mixture of experts, 0 for a dense one: every
+    layer of Mixtral; Qwen3-MoE's every decoder_sparse_step-th layer not in
+    mlp_only_layers, if it has experts at all. All 0 for a dense model."""
+    layers, arch = c["num_hidden_layers"], _moe_arch(c)
+    if arch == "MixtralForCausalLM":
+        return [1] * layers
+    if arch != "Qwen3MoeForCausalLM" or num_experts(c) == 0:
+        return [0] * layers
+    dense, step = set(c.get("mlp_only_layers") or ()), c.get("decoder_sparse_step", 1)
+    return [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
+
+
+def _moe_arch(c: dict) -> str | None:
+    return next((a for a in c.get("architectures") or []
+                 if a in ("Qwen3MoeForCausalLM", "MixtralForCausalLM")), None)
 
 
 def describe_source(arg: str | None, resolved: str) -> str:
