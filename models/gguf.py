@@ -11,7 +11,18 @@ This module owns everything zserve knows about a `.gguf` file:
     sidecar = materialize(path)           # config + tokenizer files as an HF directory, cached
 
 Architectures: general.architecture "llama" (Llama, and Mistral, which llama.cpp converts
-as llama), "qwen2", "qwen3". Tensor types: whatever `gguf.quants.dequantize` can unpack
+as llama), "qwen2", "qwen3", "gemma2", "gemma3", "phi3". What llama.cpp's converter and
+loader do for the last three, and this module undoes or reads the same way (config_dict):
+Gemma's norm weights are stored as 1 + weight (undone at load: (1 + weight) is what the
+model multiplies by); the local/global layer pattern is `attention.sliding_window_pattern`
+(a per-layer array, or n: every n-th layer global; default 2 for Gemma 2, 6 for Gemma 3),
+the local layers' RoPE base `rope.freq_base_swa` (Gemma 3 default 10,000; Gemma 2's is the
+global base), and the query scale is not stored: head_dim ** -0.5, except for the 27B
+models (46 layers for Gemma 2, 62 for Gemma 3): (hidden / heads) ** -0.5. Phi-3 keeps its
+fused qkv (`attn_qkv`) and gate_up (`ffn_up`, gate rows first) tensors, partial rotary as
+`rope.dimension_count`, and LongRoPE's factors as the `rope_factors_long` /
+`rope_factors_short` tensors with `rope.scaling.original_context_length`; a
+`attention.sliding_window` of 0 means none (Phi-4). Tensor types: whatever `gguf.quants.dequantize` can unpack
 (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, the IQ types); weights are dequantized to
 float32 exactly as transformers' GGUF loader does (the same numpy code), then cast to the
 served dtype. Anything else is a ValueError with one line naming what is missing.
@@ -59,7 +70,8 @@ from wire.model_path import SIDECAR_FILE, SIDECAR_VERSION, gguf_file_key, gguf_s
 
 # general.architecture -> the HF architecture we build. Mistral GGUFs say "llama".
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 _GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 
@@ -346,9 +358,9 @@ def config_dict(header: GGUFHeader) -> dict:
     if int(get("attention.value_length", head_dim)) != head_dim:
         raise ValueError(f"{name}: key_length != value_length is not supported")
     rope_dim = int(get("rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and arch != "phi3":
         raise ValueError(f"{name}: partial rotary embeddings (rope.dimension_count {rope_dim} "
-                         f"< head dim {head_dim}) are not supported")
+                         f"< head dim {head_dim}) are not supported for {arch!r}")
     vocab = meta.get("tokenizer.ggml.tokens")   # its length, see GGUFHeader
     if not isinstance(vocab, int):              # no tokenizer in the file
         vocab = meta.get(f"{arch}.vocab_size")
@@ -357,9 +369,12 @@ def config_dict(header: GGUFHeader) -> dict:
         vocab = int(vocab or tensors["token_embd.weight"].shape[0])
     rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
     scaling = get("rope.scaling.type", "none")
-    if scaling not in ("none", None):   # llama.cpp's own linear / yarn / longrope parameters
+    if scaling == "linear" and arch == "gemma3":     # Gemma 3 4B+: its global layers'
+        rope.update(rope_type="linear", factor=float(get("rope.scaling.factor")))
+    elif scaling not in ("none", None):  # llama.cpp's own linear / yarn / longrope parameters
         raise ValueError(f"{name}: unsupported rope type {scaling!r} in a GGUF file (zserve "
-                         f"reads RoPE scaling from GGUF only as Llama 3's rope_freqs tensor)")
+                         f"reads RoPE scaling from GGUF only as Llama 3's rope_freqs tensor, "
+                         f"Gemma 3's linear factor and Phi-3's LongRoPE factor tensors)")
     types = {t.ggml_type for n, t in tensors.items() if n.endswith(".weight")}
     dtype = {frozenset([0]): "float32", frozenset([0, 1]): "float16", frozenset([1]): "float16",
              frozenset([0, 30]): "bfloat16", frozenset([30]): "bfloat16"}.get(frozenset(types))
@@ -387,11 +402,66 @@ def config_dict(header: GGUFHeader) -> dict:
     }
     if arch == "llama":
         cfg["mlp_bias"] = "blk.0.ffn_gate.bias" in tensors
-    else:
+    elif arch in ("qwen2", "qwen3"):
         cfg["use_sliding_window"] = False
+    elif arch in ("gemma2", "gemma3"):
+        cfg.update(_gemma_config(header, get, cfg, rope))
+    else:
+        cfg.update(_phi3_config(header, get, rope, rope_dim / head_dim))
     if dtype is not None:
         cfg["dtype"] = dtype
     return cfg
+
+
+def _gemma_config(header: GGUFHeader, get, cfg: dict, rope: dict) -> dict:
+    """Gemma 2 / 3's config keys, as llama.cpp's loader reads them (module docstring)."""
+    arch, n = header.metadata["general.architecture"], cfg["num_hidden_layers"]
+    pattern = header.metadata.get(f"{arch}.attention.sliding_window_pattern",   # get() takes
+                                  2 if arch == "gemma2" else 6)                  # no lists
+    if isinstance(pattern, list):
+        if len(pattern) != n:
+            raise ValueError(f"{header.path.name}: {arch}.attention.sliding_window_pattern "
+                             f"has {len(pattern)} entries for {n} layers")
+        local = [bool(x) for x in pattern]
+    else:                               # llama.cpp's set_swa_pattern(n): the n-th global
+        local = [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(n)]
+    big = n == (46 if arch == "gemma2" else 62)             # the 27B models
+    out = {"hidden_activation": "gelu_pytorch_tanh",
+           "sliding_window": int(get("attention.sliding_window", 4096)),
+           "layer_types": ["sliding_attention" if x else "full_attention" for x in local],
+           "query_pre_attn_scalar": (cfg["hidden_size"] // cfg["num_attention_heads"] if big
+                                     else cfg["head_dim"]),
+           "final_logit_softcapping": get("final_logit_softcapping", None)}
+    if arch == "gemma2":
+        out["attn_logit_softcapping"] = get("attn_logit_softcapping", None)
+        swa_base = get("rope.freq_base_swa", rope["rope_theta"])
+        if float(swa_base) != rope["rope_theta"]:
+            raise ValueError(f"{header.path.name}: a Gemma 2 with its own local RoPE base is "
+                             f"not supported")
+    else:
+        out["rope_parameters"] = {
+            "full_attention": rope,
+            "sliding_attention": {"rope_type": "default",
+                                  "rope_theta": float(get("rope.freq_base_swa", 10000.0))}}
+    return out
+
+
+def _phi3_config(header: GGUFHeader, get, rope: dict, partial: float) -> dict:
+    """Phi-3's config keys: partial rotary, its window (0: none) and LongRoPE's factors,
+    which the file keeps as two small tensors (read here)."""
+    out = {"partial_rotary_factor": partial,
+           "sliding_window": int(get("attention.sliding_window", 0)) or None}
+    long, short = (header.tensors.get(f"rope_factors_{k}.weight") for k in ("long", "short"))
+    if (long is None) != (short is None):
+        raise ValueError(f"{header.path.name}: only one of rope_factors_long and "
+                         f"rope_factors_short")
+    if long is not None:
+        rope.update(rope_type="longrope",
+                    long_factor=[float(x) for x in header.dequantize(long).reshape(-1)],
+                    short_factor=[float(x) for x in header.dequantize(short).reshape(-1)])
+        out["original_max_position_embeddings"] = int(
+            get("rope.scaling.original_context_length"))
+    return out
 
 
 def generation_dict(header: GGUFHeader) -> dict:
@@ -428,7 +498,11 @@ def parameter_targets(config, shard=None) -> dict[str, tuple]:
     q, kv, inter = local.q_size, local.kv_size, local.intermediate_size
     vocab_rows = slice(None) if shard is None else slice(0, shard.real_vocab_rows)
 
+    phi3 = config.family == "phi3"
+
     def select(gguf_part: str, kind: str):
+        if shard is not None and phi3 and gguf_part in _PHI3_FUSED:
+            return shard.select_fused(_PHI3_FUSED[gguf_part], kind)
         hf = HF_PARTS.get(gguf_part)
         return None if shard is None or hf is None else shard.select(hf, kind)
 
@@ -453,6 +527,15 @@ def parameter_targets(config, shard=None) -> dict[str, tuple]:
             "ffn_up": ("mlp.gate_up_proj", slice(inter, 2 * inter), kinds),
             "ffn_down": ("mlp.down_proj", None, kinds),
         }
+        if config.gemma:        # a norm after attention and after the MLP too (gemma.py)
+            parts.update(ffn_norm=("pre_feedforward_layernorm", None, ("weight",)),
+                         post_attention_norm=("post_attention_layernorm", None, ("weight",)),
+                         post_ffw_norm=("post_feedforward_layernorm", None, ("weight",)))
+        if phi3:                # the fused tensors of the checkpoint, kept fused
+            for part in ("attn_q", "attn_k", "attn_v", "ffn_gate"):
+                del parts[part]
+            parts.update(attn_qkv=("self_attn.qkv_proj", None, kinds),
+                         ffn_up=("mlp.gate_up_proj", None, kinds))
         for gguf_part, (module, rows, allowed) in parts.items():
             for kind in allowed:
                 param = f"{module}.{kind}"
@@ -461,6 +544,10 @@ def parameter_targets(config, shard=None) -> dict[str, tuple]:
                 targets[f"{blk}{gguf_part}.{kind}"] = (f"{ours}{param}", rows or slice(None),
                                                        select(gguf_part, kind))
     return targets
+
+
+# Phi-3's fused GGUF tensors -> the column-parallel parts they stack (models/tp.py).
+_PHI3_FUSED = {"attn_qkv": ("q_proj", "k_proj", "v_proj"), "ffn_up": ("gate_proj", "up_proj")}
 
 
 def _permuted_heads(config) -> dict[str, int]:
@@ -550,7 +637,9 @@ def load_weights(header: GGUFHeader, config, params: dict[str, torch.Tensor],
 
     name = header.path.name
     targets = {k: v for k, v in parameter_targets(config, shard).items() if v[0] in params}
-    extra = {"rope_freqs.weight"} if config.family in ("llama", "mistral") else set()
+    extra = ({"rope_freqs.weight"} if config.family in ("llama", "mistral") else
+             {"rope_factors_long.weight", "rope_factors_short.weight"}    # config_dict's
+             if config.family == "phi3" else set())
     unexpected = sorted(set(header.tensors) - set(targets) - extra - native)
     missing = sorted(set(targets) - set(header.tensors))
     if missing or unexpected:
@@ -580,6 +669,8 @@ def load_weights(header: GGUFHeader, config, params: dict[str, torch.Tensor],
         dst = params[param][rows]
         if key in unpermute:        # by the whole model's heads: before any cut
             src = _unpermute_rows(src, unpermute[key], config.head_dim)
+        if config.gemma and key.endswith("norm.weight"):   # stored as 1 + weight
+            src = src - 1
         if sel is not None:
             src = sel.take(src)
         dst.copy_(src)

@@ -14,6 +14,7 @@ the 49k-token GGUF vocabulary).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import math
@@ -28,14 +29,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from checkpoints import gguf_quants
 from checkpoints.tiny import build_tiny_checkpoint
-from model_helpers import DenseCausalAttention
-from reference import _greedy, assert_greedy_match
+from model_helpers import CachedAttention, DenseCausalAttention
+from reference import _greedy, assert_greedy_match, assert_served_greedy
 from models import ModelConfig, load_model
 from models import gguf as zgguf
+from tests.server import serving
 
 F32, Q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
 ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
-        "qwen3": gguf.MODEL_ARCH.QWEN3}
+        "qwen3": gguf.MODEL_ARCH.QWEN3, "gemma2": gguf.MODEL_ARCH.GEMMA2,
+        "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3}
 
 
 # ---------------------------------------------------------------------------------------
@@ -49,7 +52,36 @@ def llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def _rope_theta(cfg: dict) -> float:
-    return (cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta", 1e4)
+    rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)             # Gemma 3: the global layers'
+    return rope.get("rope_theta") or cfg.get("rope_theta", 1e4)
+
+
+def _family_metadata(w: gguf.GGUFWriter, family: str, cfg: dict) -> None:
+    """What convert_hf_to_gguf.py's Gemma2Model, Gemma3Model and Phi3MiniModel add (the
+    layer pattern for Gemma 3 too: its converter leaves llama.cpp's default of one global
+    layer in six, which a 2-layer test model cannot use)."""
+    if family in ("gemma2", "gemma3"):
+        w.add_sliding_window(cfg["sliding_window"])
+        if cfg.get("attn_logit_softcapping"):
+            w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        if cfg.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        if family == "gemma3":
+            w.add_array(f"{family}.attention.sliding_window_pattern",
+                        [t == "sliding_attention" for t in cfg["layer_types"]])
+    if family == "phi3":
+        rope = cfg["rope_parameters"]
+        head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+        w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * head_dim))
+        w.add_sliding_window(cfg.get("sliding_window") or 0)
+        w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+        if rope.get("rope_type") == "longrope":
+            scale = cfg["max_position_embeddings"] / cfg["original_max_position_embeddings"]
+            w.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(cfg["original_max_position_embeddings"])))
+            w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+            w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
 
 
 def write_gguf(hf_dir: Path, out: Path, qtype=F32, types: dict | None = None,
@@ -61,7 +93,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype=F32, types: dict | None = None,
     reference), or with quantize_all the model's own weights quantized by
     checkpoints/gguf_quants.py. metadata(writer) may add or override keys."""
     cfg = json.loads((hf_dir / "config.json").read_text())
-    family = cfg["model_type"]
+    family = {"gemma3_text": "gemma3"}.get(cfg["model_type"], cfg["model_type"])
     arch = arch or family
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -84,6 +116,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype=F32, types: dict | None = None,
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == F32
                     else gguf.LlamaFileType.MOSTLY_Q8_0)
     _add_tokenizer(w, hf_dir)
+    _family_metadata(w, family, cfg)
     if metadata is not None:
         metadata(w)
 
@@ -98,6 +131,10 @@ def write_gguf(hf_dir: Path, out: Path, qtype=F32, types: dict | None = None,
         if family == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             t = llama_permute(t, kv_heads)
         new = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if new is None and name == "lm_head.weight":    # Gemma 2's map lacks it: untied
+            new = "output.weight"
+        if family.startswith("gemma") and name.endswith("norm.weight"):
+            t = t.float() + 1                           # Gemma's converter stores 1 + w
         data = t.float().numpy()
         ttype = F32 if data.ndim == 1 else next(
             (v for k, v in (types or {}).items() if new.endswith(k)), qtype)
@@ -185,7 +222,8 @@ def llama3_rope_freqs(cfg: dict) -> torch.Tensor:
 
 def our_logits(model, ids: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(len(ids))
-    return model.compute_logits(model(ids, positions, DenseCausalAttention()))
+    attn = DenseCausalAttention(layers=model.attention_layers)
+    return model.compute_logits(model(ids, positions, attn))
 
 
 def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
@@ -200,26 +238,6 @@ def hf_from_gguf(path: Path, **kwargs):
         attn_implementation="eager", **kwargs).eval()
 
 
-class CachedAttention:
-    """A growing per-layer K/V cache for one sequence: greedy decoding without recompute."""
-
-    def __init__(self):
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
-
-    def __call__(self, layer_id, q, k, v):
-        if layer_id in self.k:
-            k = torch.cat([self.k[layer_id], k])
-            v = torch.cat([self.v[layer_id], v])
-        self.k[layer_id], self.v[layer_id] = k, v.contiguous()
-        n, total = q.shape[0], k.shape[0]
-        mask = torch.arange(total)[None, :] <= torch.arange(total - n, total)[:, None]
-        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                             enable_gqa=True)
-        return o[0].transpose(0, 1)
-
-
 @torch.no_grad()
 def hf_greedy(hf, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
     return _greedy(hf, prompt, steps)
@@ -228,7 +246,7 @@ def hf_greedy(hf, prompt: list[int], steps: int) -> tuple[list[int], list[float]
 def our_greedy_with_margins(model, prompt: list[int],
                             steps: int) -> tuple[list[int], list[float]]:
     """Greedy ids and each step's top-1 / top-2 logit margin."""
-    attn, out, margins = CachedAttention(), [], []
+    attn, out, margins = CachedAttention(model.attention_layers), [], []
     ids, pos = torch.tensor(prompt), torch.arange(len(prompt))
     for _ in range(steps):
         logits = model.compute_logits(model(ids, pos, attn)[-1:])[0]
@@ -508,6 +526,61 @@ def test_llama3_rope_freqs_tensor(tmp_path):
     assert (our_logits(plain, ids) - want).abs().max() > 1.0  # the tensor matters here
 
 
+# Gemma 2, Gemma 3 and Phi-3 as their converters write them (write_gguf). A GGUF has no
+# query_pre_attn_scalar: llama.cpp takes head_dim's (but for the 27B models), so these
+# Gemmas are built with that scale; the rest is the tiny families' own config.
+NEWER = {"gemma2": dict(query_pre_attn_scalar=16), "gemma3": dict(query_pre_attn_scalar=32),
+         "phi3": {}}
+
+
+@pytest.fixture(scope="module")
+def newer_gguf(tmp_path_factory):
+    """newer_gguf(family) -> (hf_dir, F32 gguf_path), written once per module."""
+    made = {}
+
+    def make(family: str):
+        if family not in made:
+            root = tmp_path_factory.mktemp(f"{family}-gguf")
+            hf_dir = build_tiny_checkpoint(root / "hf", family, **NEWER[family])
+            made[family] = hf_dir, write_gguf(hf_dir, root / f"tiny-{family}.gguf")
+        return made[family]
+    return make
+
+
+@pytest.mark.parametrize("family", list(NEWER))
+def test_newer_families_gguf_equals_safetensors_twin(newer_gguf, family):
+    """The config the file's metadata gives is the checkpoint's; the parameters are the
+    same (Gemma's norms as the (1 + weight) they multiply by: the file stores 1 + weight in
+    float32, the very number transformers computes), and so are the logits, bit for bit."""
+    hf_dir, path = newer_gguf(family)
+    mine, theirs = ModelConfig.from_path(path), ModelConfig.from_dir(hf_dir)
+    assert dataclasses.replace(mine, rope_scaling=None) == \
+        dataclasses.replace(theirs, rope_scaling=None)
+    ours = load_model(path, torch.float32, "cpu", pack=False)
+    twin = load_model(hf_dir, torch.float32, "cpu", pack=False)
+    assert torch.equal(ours.cos_sin, twin.cos_sin)
+    twin_params = dict(twin.named_parameters())
+    for name, p in ours.named_parameters():
+        if mine.gemma and name.endswith("norm.weight"):
+            assert torch.equal(1 + p, 1 + twin_params[name]), name
+        else:
+            assert torch.equal(p, twin_params[name]), name
+    ours, twin = (load_model(p, torch.float32, "cpu") for p in (path, hf_dir))
+    assert torch.equal(our_logits(ours, IDS), our_logits(twin, IDS))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("family", list(NEWER))
+def test_newer_families_served_from_gguf(newer_gguf, family, tmp_path):
+    """Served from the file: transformers' greedy ids (of the safetensors twin) in unary,
+    batch and streamed form, with prompts past the windows (8) and generations past Phi-3's
+    original context (64)."""
+    hf_dir, path = newer_gguf(family)
+    prompts = [list(range(20, 70)), [400, 12, 31, 77, 5, 600, 9, 10, 11, 250]]
+    with serving(path, tmpdir=tmp_path) as s:
+        assert_served_greedy(s, hf_dir, prompts, 20)
+
+
 def test_header_reader_agrees_with_gguf_reader(tiny_gguf):
     hf_dir, path = tiny_gguf("qwen3", Q8_0)
     ours, ref = zgguf.read_header(path), gguf.GGUFReader(path)
@@ -608,7 +681,7 @@ def test_unsupported_gguf_is_refused_in_one_line(tiny_model, tmp_path, case):
     hf_dir, path = tiny_model("llama"), tmp_path / f"{case}.gguf"
     if case == "architecture":
         write_gguf(hf_dir, path, arch="gpt2")
-        pattern = r"unsupported GGUF architecture 'gpt2': zserve supports \['llama'"
+        pattern = r"unsupported GGUF architecture 'gpt2': zserve supports \[.*'llama'"
     elif case == "rope_scaling":
         write_gguf(hf_dir, path, metadata=_yarn)
         pattern = r"unsupported rope type 'yarn'"

@@ -279,7 +279,8 @@ TINY_TIE = 0.5          # a near tie for the calm tiny models (see tiny_file)
 @needs_kernels
 @pytest.mark.parametrize("family,qtype", [("llama", "Q8_0"), ("qwen2", "Q8_0"),
                                           ("qwen3", "Q8_0"), ("llama", "Q4_0"),
-                                          ("qwen2", "Q4_1"), ("qwen3", "Q4_1")])
+                                          ("qwen2", "Q4_1"), ("qwen3", "Q4_1"),
+                                          ("gemma3", "Q8_0"), ("phi3", "Q4_0")])
 def test_native_model_is_dequantized_model_with_int8_inputs(tiny_file, family, qtype):
     """The whole native model (fused q/k/v and gate/up blocks, llama's un-permuted rows,
     biases, the tied head) equals the dequantized model whose linear inputs are rounded as
@@ -301,7 +302,7 @@ def test_native_model_is_dequantized_model_with_int8_inputs(tiny_file, family, q
 
 
 @needs_kernels
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "phi3"])
 def test_q8_0_native_greedy_equals_dequantized(tiny_file, family):
     path = tiny_file(family, "Q8_0", calm=True)
     native = load_model(path, torch.float32, "cpu", quantization="gguf")
