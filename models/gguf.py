@@ -11,7 +11,9 @@ This module owns everything zserve knows about a `.gguf` file:
     sidecar = materialize(path)           # config + tokenizer files as an HF directory, cached
 
 Architectures: general.architecture "llama" (Llama, and Mistral, which llama.cpp converts
-as llama), "qwen2", "qwen3", "gemma2", "gemma3", "phi3". What llama.cpp's converter and
+as llama), "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3" (a llama whose every
+fourth layer has no RoPE: llama.cpp fixes that step at 4, as transformers' default
+no_rope_layer_interval; its q/k rows are permuted as llama's). What llama.cpp's converter and
 loader do for the last three, and this module undoes or reads the same way (config_dict):
 Gemma's norm weights are stored as 1 + weight (undone at load: (1 + weight) is what the
 model multiplies by); the local/global layer pattern is `attention.sliding_window_pattern`
@@ -71,7 +73,8 @@ from wire.model_path import SIDECAR_FILE, SIDECAR_VERSION, gguf_file_key, gguf_s
 # general.architecture -> the HF architecture we build. Mistral GGUFs say "llama".
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                 "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                 "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "smollm3": "SmolLM3ForCausalLM"}
 _GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 
@@ -400,7 +403,7 @@ def config_dict(header: GGUFHeader) -> dict:
         "eos_token_id": eos,
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
     }
-    if arch == "llama":
+    if arch in ("llama", "smollm3"):
         cfg["mlp_bias"] = "blk.0.ffn_gate.bias" in tensors
     elif arch in ("qwen2", "qwen3"):
         cfg["use_sliding_window"] = False
@@ -553,7 +556,7 @@ _PHI3_FUSED = {"attn_qkv": ("q_proj", "k_proj", "v_proj"), "ffn_up": ("gate_proj
 def _permuted_heads(config) -> dict[str, int]:
     """GGUF tensor -> its head count, for the tensors llama.cpp permuted (see the module
     docstring): q and k, weights and biases, of the "llama" architecture."""
-    if config.family not in ("llama", "mistral"):
+    if config.family not in ("llama", "mistral", "smollm3"):
         return {}
     return {f"blk.{i}.{part}.{kind}": heads for i in range(config.num_layers)
             for part, heads in (("attn_q", config.num_heads), ("attn_k", config.num_kv_heads))
@@ -817,7 +820,16 @@ def _save_tokenizer(path: Path, out: Path, config) -> None:
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()      # "some keys were not parsed" noise
     try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except ValueError as exc:
+            if "is not supported yet" not in str(exc):
+                raise
+            # An architecture transformers cannot load from GGUF (SmolLM3): its tokenizer
+            # alone, by the file's tokenizer type, as AutoTokenizer would have built it.
+            from transformers import PreTrainedTokenizerFast
+            tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent),
+                                                          gguf_file=path.name)
     except Exception as exc:            # transformers raises many types; say which file
         raise ValueError(f"{path.name}: transformers cannot build its tokenizer: "
                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"

@@ -38,7 +38,8 @@ from tests.server import serving
 F32, Q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
 ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
         "qwen3": gguf.MODEL_ARCH.QWEN3, "gemma2": gguf.MODEL_ARCH.GEMMA2,
-        "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3}
+        "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3,
+        "smollm3": gguf.MODEL_ARCH.SMOLLM3}
 
 
 # ---------------------------------------------------------------------------------------
@@ -126,9 +127,10 @@ def write_gguf(hf_dir: Path, out: Path, qtype=F32, types: dict | None = None,
         w.add_tensor("rope_freqs.weight", rope_freqs.numpy().astype(np.float32))
     rng = np.random.default_rng(0)
     for name, t in sorted(load_file(hf_dir / "model.safetensors").items()):
-        if family == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        permuted = family in ("llama", "smollm3")      # LlamaModel.undo_permute
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             t = llama_permute(t, heads)
-        if family == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        if permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             t = llama_permute(t, kv_heads)
         new = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if new is None and name == "lm_head.weight":    # Gemma 2's map lacks it: untied
@@ -526,11 +528,12 @@ def test_llama3_rope_freqs_tensor(tmp_path):
     assert (our_logits(plain, ids) - want).abs().max() > 1.0  # the tensor matters here
 
 
-# Gemma 2, Gemma 3 and Phi-3 as their converters write them (write_gguf). A GGUF has no
-# query_pre_attn_scalar: llama.cpp takes head_dim's (but for the 27B models), so these
-# Gemmas are built with that scale; the rest is the tiny families' own config.
+# Gemma 2, Gemma 3, Phi-3 and SmolLM3 as their converters write them (write_gguf). A GGUF
+# has no query_pre_attn_scalar: llama.cpp takes head_dim's (but for the 27B models), so
+# these Gemmas are built with that scale; nor SmolLM3's NoPE step: llama.cpp's is 4, so
+# that SmolLM3 has 4 layers, its last without RoPE. The rest is the tiny families' own.
 NEWER = {"gemma2": dict(query_pre_attn_scalar=16), "gemma3": dict(query_pre_attn_scalar=32),
-         "phi3": {}}
+         "phi3": {}, "smollm3": dict(no_rope_layer_interval=4, num_hidden_layers=4)}
 
 
 @pytest.fixture(scope="module")
