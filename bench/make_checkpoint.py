@@ -135,13 +135,14 @@ SHAPES = {
 DTYPES = ("float32", "bfloat16")
 
 
-def shape_config(shape: str, layers: int | None = None):
+def shape_config(shape: str, layers: int | None = None, **overrides):
     """The transformers config of `shape`, with `layers` layers if given (Gemma 3's
-    layer_types cut or extended by its one-global-in-six pattern)."""
+    layer_types cut or extended by its one-global-in-six pattern) and `overrides` replacing
+    its fields (the tests' small vocabularies and widths)."""
     import transformers
 
     cls_name, fields = SHAPES[shape]
-    fields = dict(fields)
+    fields = {**fields, **overrides}
     if layers is not None:
         fields["num_hidden_layers"] = layers
         if "layer_types" in fields:
@@ -184,9 +185,9 @@ def _existing_matches(d: pathlib.Path, dtype: str, layers: int,
 
 
 def build(out_dir: pathlib.Path, dtype: str = "float32", layers: int | None = None,
-          seed: int = 0, shape: str = "smollm2-135m") -> pathlib.Path:
+          seed: int = 0, shape: str = "smollm2-135m", **overrides) -> pathlib.Path:
     """Write the checkpoint to out_dir (which must not exist or be empty-able); layers
-    None: the shape's own count."""
+    None: the shape's own count; overrides: config fields (shape_config)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -194,7 +195,7 @@ def build(out_dir: pathlib.Path, dtype: str = "float32", layers: int | None = No
 
     out_dir.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out_dir)
-    config = shape_config(shape, layers)
+    config = shape_config(shape, layers, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
