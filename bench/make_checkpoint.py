@@ -7,7 +7,7 @@
 - gemma3-270m: Gemma3ForCausalLM with google/gemma-3-270m's config: hidden 640, 18 layers,
   4 heads / 1 kv head of head_dim 256, intermediate 2048 (GeGLU), tied embeddings, the
   real vocab of 262144 (the tied embedding is 167.8M of the 268.1M parameters, and the LM
-  head 62% of a token's matmul work, as in the real model), sliding window 512 on five
+  head 63% of a token's matmul work, as in the real model), sliding window 512 on five
   layers in six (layer_types), query_pre_attn_scalar 256, RoPE bases 1e6 (global) and
   1e4 (local), 32768 positions, q/k norms.
 - qwen3-moe: Qwen3MoeForCausalLM with Qwen3-30B-A3B's per-layer ratios scaled to hidden
