@@ -150,24 +150,41 @@ def warmup_prompts(prompts: list[list[int]], seed: int) -> list[list[int]]:
 
 
 def matmul_params(model_path: str) -> dict:
-    """Parameter counts from the config: those used in matmuls per token, and all."""
+    """Parameter counts from the config: those used in matmuls per token, and all. A
+    mixture of experts' sparse layer counts its router and the experts_per_token experts a
+    token runs (of num_experts held: `total`); Gemma's layers have four norms, Qwen3's and
+    Gemma 3's heads q/k norms (counted in `total` only)."""
+    from models import ModelConfig
+
     cfg = model_config(model_path)
-    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    nh, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    hd = cfg.get("head_dim") or h // nh
-    layers = cfg["num_hidden_layers"]
-    per_layer = h * nh * hd + 2 * h * nkv * hd + nh * hd * h + 3 * h * inter
+    mc = ModelConfig.from_dict(cfg)
+    h, vocab, layers = mc.hidden_size, mc.vocab_size, mc.num_layers
+    attn = h * mc.q_size + 2 * h * mc.kv_size + mc.q_size * h
+    dense_mlp = 3 * h * mc.intermediate_size
+    expert = 3 * h * mc.moe_intermediate_size
+    router = h * mc.num_experts
+    used = held = 0
+    for i in range(layers):
+        if mc.sparse(i):
+            used += attn + router + mc.experts_per_token * expert
+            held += attn + router + mc.num_experts * expert
+        else:
+            used += attn + dense_mlp
+            held += attn + dense_mlp
     lm_head = h * vocab
-    tied = cfg.get("tie_word_embeddings", False)
-    norms = layers * 2 * h + h
-    total = layers * per_layer + lm_head + (0 if tied else h * vocab) + norms
+    tied = mc.tie_word_embeddings
+    norms = layers * (4 if mc.gemma else 2) * h + h + (
+        layers * 2 * mc.head_dim if mc.qk_norm else 0)
+    total = held + lm_head + (0 if tied else h * vocab) + norms
     on_disk = cfg.get("dtype") or cfg.get("torch_dtype")
     if (gguf := gguf_file(model_path)) is not None:     # e.g. "GGUF Q4_1 + F32"
         from models.gguf import read_header
         types = sorted({t.type_name for t in read_header(gguf).tensors.values()})
         on_disk = "GGUF " + " + ".join(types)
-    return {"matmul": layers * per_layer + lm_head, "total": total, "layers": layers,
-            "tied": tied, "dtype_on_disk": on_disk}
+    return {"matmul": used + lm_head, "total": total, "layers": layers,
+            "tied": tied, "dtype_on_disk": on_disk,
+            "experts": (f"{mc.experts_per_token} of {mc.num_experts}" if mc.num_experts
+                        else None)}
 
 
 # zserve's linear layers (fused as it fuses them) by their GGUF parts; then the LM head.
@@ -204,8 +221,16 @@ def zserve_weights(info: dict, model_path: str) -> str | None:
 
 
 def llama_weights(gguf: pathlib.Path) -> str:
-    """What llama.cpp computes a GGUF's linear layers with: the file's own types."""
-    types = set().union(*(types for types, _ in gguf_linear_types(gguf)))
+    """What llama.cpp computes a GGUF's linear layers with: the file's own types. For an
+    architecture zserve does not read from GGUF (gemma3, qwen3moe: zserve serves those
+    from safetensors), the types of the file's matrices and expert stacks (tensors of 2
+    dimensions or more, the embedding included)."""
+    try:
+        types = set().union(*(types for types, _ in gguf_linear_types(gguf)))
+    except ValueError:      # models/gguf.py: "unsupported GGUF architecture ..."
+        from models.gguf import read_header
+        types = {t.type_name for t in read_header(gguf).tensors.values()
+                 if len(t.shape) >= 2}
     return "+".join(sorted(types)) + ("" if types <= _FLOAT_TYPES else " blocks")
 
 
@@ -697,7 +722,9 @@ def print_table(report: dict) -> None:
                  "load": _fmt(r.get("load1_after"))}
         table.append([cells[h] for h in head])
     print()
-    print(f"model {c['model_path']}  ({report['params']['matmul'] / 1e6:.1f}M matmul params, "
+    experts = report["params"].get("experts")
+    print(f"model {c['model_path']}  ({report['params']['matmul'] / 1e6:.1f}M matmul params "
+          f"a token{f' ({experts} experts)' if experts else ''}, "
           f"{report['params']['layers']} layers, on disk {report['params']['dtype_on_disk']})  "
           f"dtype {c['dtype']}")
     if (lc := report.get("llama")) is not None:
