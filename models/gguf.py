@@ -11,7 +11,20 @@ This module owns everything zserve knows about a `.gguf` file:
     sidecar = materialize(path)           # config + tokenizer files as an HF directory, cached
 
 Architectures: general.architecture "llama" (Llama, and Mistral, which llama.cpp converts
-as llama), "qwen2", "qwen3", "gemma2", "gemma3", "phi3". What llama.cpp's converter and
+as llama; with llama.expert_count, Mixtral), "qwen2", "qwen3", "qwen3moe", "gemma2",
+"gemma3", "phi3". Mixtures of experts, as llama.cpp's converter writes them and its loader
+reads them: each sparse layer's router `ffn_gate_inp` [E, hidden] (kept in F32 by the
+converter and llama-quantize) and its experts stacked, `ffn_gate_exps` / `ffn_up_exps`
+[E, I, hidden] and `ffn_down_exps` [E, hidden, I] (torch order), filling moe.py's stacks
+(each expert's gate_up_proj rows: gate, then up); `expert_count`, `expert_used_count`,
+and the experts' width I: Mixtral's `feed_forward_length`, Qwen3-MoE's
+`expert_feed_forward_length` (else feed_forward_length / expert_used_count, llama.cpp's
+fallback). The top-k weights are renormalized: Mixtral always; for qwen3moe llama.cpp
+hard-codes it (no metadata key is read) and transformers' GGUF loader defaults
+norm_topk_prob to true with it, as Qwen3-MoE's own configs say. Every layer of a qwen3moe
+file is sparse: llama.cpp's tensor list for qwen3moe has no dense MLP, so a model with
+mlp_only_layers cannot be converted, and llama.cpp requires ffn_gate_inp on every layer.
+Mixtral's q/k rows are permuted as llama's (undone the same way). What llama.cpp's converter and
 loader do for the last three, and this module undoes or reads the same way (config_dict):
 Gemma's norm weights are stored as 1 + weight (undone at load: (1 + weight) is what the
 model multiplies by); the local/global layer pattern is `attention.sliding_window_pattern`
@@ -69,9 +82,12 @@ from .quant_linear import KEPT_TYPES
 from wire.model_path import SIDECAR_FILE, SIDECAR_VERSION, gguf_file_key, gguf_sidecar_dir
 
 # general.architecture -> the HF architecture we build. Mistral GGUFs say "llama".
+# "llama" with experts (llama.expert_count) is Mixtral's: config_dict.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                 "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                 "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "qwen3moe": "Qwen3MoeForCausalLM"}
+MIXTRAL = "MixtralForCausalLM"
 _GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 
@@ -339,9 +355,12 @@ def config_dict(header: GGUFHeader) -> dict:
     if int(meta.get("split.count", 1)) > 1:
         raise ValueError(f"{name}: split GGUF files are not supported; merge them first "
                          f"(llama-gguf-split --merge)")
-    if int(meta.get(f"{arch}.expert_count", 0) or 0) > 0:    # Mixtral's files say "llama"
-        raise ValueError(f"{name}: a mixture of experts from a GGUF file is not supported yet "
-                         f"(serve its safetensors directory: Qwen3-MoE and Mixtral are)")
+    experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    if experts and arch not in ("llama", "qwen3moe"):
+        raise ValueError(f"{name}: experts in a {arch!r} file are not supported (zserve reads "
+                         f"mixtures of experts from 'qwen3moe' and Mixtral's 'llama' files)")
+    if arch == "qwen3moe" and not experts:
+        raise ValueError(f"{name}: a qwen3moe file without qwen3moe.expert_count")
 
     def get(key, default=KeyError):
         value = meta.get(f"{arch}.{key}", default)
@@ -380,9 +399,10 @@ def config_dict(header: GGUFHeader) -> dict:
              frozenset([0, 30]): "bfloat16", frozenset([30]): "bfloat16"}.get(frozenset(types))
 
     eos = meta.get("tokenizer.ggml.eos_token_id")
+    hf_arch = MIXTRAL if experts and arch == "llama" else ARCHITECTURES[arch]
     cfg = {
-        "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
+        "architectures": [hf_arch],
+        "model_type": {MIXTRAL: "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}.get(hf_arch, arch),
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
@@ -400,17 +420,33 @@ def config_dict(header: GGUFHeader) -> dict:
         "eos_token_id": eos,
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
     }
-    if arch == "llama":
+    if experts:
+        cfg.update(_experts_config(get, arch, experts, cfg["intermediate_size"]))
+    elif arch == "llama":
         cfg["mlp_bias"] = "blk.0.ffn_gate.bias" in tensors
-    elif arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen3moe"):
         cfg["use_sliding_window"] = False
     elif arch in ("gemma2", "gemma3"):
         cfg.update(_gemma_config(header, get, cfg, rope))
-    else:
+    elif arch == "phi3":
         cfg.update(_phi3_config(header, get, rope, rope_dim / head_dim))
     if dtype is not None:
         cfg["dtype"] = dtype
     return cfg
+
+
+def _experts_config(get, arch: str, experts: int, feed_forward: int) -> dict:
+    """A mixture of experts' config keys, as llama.cpp's loader reads them (module
+    docstring): Mixtral's experts are feed_forward_length wide, Qwen3-MoE's
+    expert_feed_forward_length (else, as llama.cpp, feed_forward_length / experts used)."""
+    used = int(get("expert_used_count"))
+    out = {"num_local_experts": experts, "num_experts_per_tok": used}
+    if arch == "llama":
+        out["sliding_window"] = None
+        return out
+    width = get("expert_feed_forward_length", None)
+    return {**out, "moe_intermediate_size": int(width or feed_forward // used),
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 def _gemma_config(header: GGUFHeader, get, cfg: dict, rope: dict) -> dict:
@@ -536,6 +572,10 @@ def parameter_targets(config, shard=None) -> dict[str, tuple]:
                 del parts[part]
             parts.update(attn_qkv=("self_attn.qkv_proj", None, kinds),
                          ffn_up=("mlp.gate_up_proj", None, kinds))
+        if config.sparse(i):    # the experts stacked [E, ...], and the router
+            for part in ("ffn_gate", "ffn_up", "ffn_down"):
+                del parts[part]
+            targets.update(_expert_targets(config, local, i, shard))
         for gguf_part, (module, rows, allowed) in parts.items():
             for kind in allowed:
                 param = f"{module}.{kind}"
@@ -546,6 +586,26 @@ def parameter_targets(config, shard=None) -> dict[str, tuple]:
     return targets
 
 
+def _expert_targets(config, local, layer: int, shard) -> dict[str, tuple]:
+    """parameter_targets for a sparse layer (moe.py): the router ffn_gate_inp [E, hidden],
+    replicated; ffn_gate_exps and ffn_up_exps [E, I, hidden] fill the gate and up rows of
+    each expert's gate_up_proj [E, 2 I, hidden], ffn_down_exps [E, hidden, I] down_proj;
+    under tensor parallelism each expert's share of the I columns (Shard.select_stacked)."""
+    blk, ours, inter = f"blk.{layer}.", f"layers.{layer}.mlp.", local.moe_intermediate_size
+
+    def select(part: str):
+        return None if shard is None else shard.select_stacked(part)
+
+    every = slice(None)
+    return {f"{blk}ffn_gate_inp.weight": (f"{ours}gate.weight", every, None),
+            f"{blk}ffn_gate_exps.weight": (f"{ours}experts.gate_up_proj",
+                                           (every, slice(0, inter)), select("gate_proj")),
+            f"{blk}ffn_up_exps.weight": (f"{ours}experts.gate_up_proj",
+                                         (every, slice(inter, 2 * inter)), select("up_proj")),
+            f"{blk}ffn_down_exps.weight": (f"{ours}experts.down_proj", every,
+                                           select("down_proj"))}
+
+
 # Phi-3's fused GGUF tensors -> the column-parallel parts they stack (models/tp.py).
 _PHI3_FUSED = {"attn_qkv": ("q_proj", "k_proj", "v_proj"), "ffn_up": ("gate_proj", "up_proj")}
 
@@ -553,7 +613,7 @@ _PHI3_FUSED = {"attn_qkv": ("q_proj", "k_proj", "v_proj"), "ffn_up": ("gate_proj
 def _permuted_heads(config) -> dict[str, int]:
     """GGUF tensor -> its head count, for the tensors llama.cpp permuted (see the module
     docstring): q and k, weights and biases, of the "llama" architecture."""
-    if config.family not in ("llama", "mistral"):
+    if config.family not in ("llama", "mistral", "mixtral"):
         return {}
     return {f"blk.{i}.{part}.{kind}": heads for i in range(config.num_layers)
             for part, heads in (("attn_q", config.num_heads), ("attn_k", config.num_kv_heads))
@@ -637,7 +697,7 @@ def load_weights(header: GGUFHeader, config, params: dict[str, torch.Tensor],
 
     name = header.path.name
     targets = {k: v for k, v in parameter_targets(config, shard).items() if v[0] in params}
-    extra = ({"rope_freqs.weight"} if config.family in ("llama", "mistral") else
+    extra = ({"rope_freqs.weight"} if config.family in ("llama", "mistral", "mixtral") else
              {"rope_factors_long.weight", "rope_factors_short.weight"}    # config_dict's
              if config.family == "phi3" else set())
     unexpected = sorted(set(header.tensors) - set(targets) - extra - native)
