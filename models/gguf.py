@@ -6,6 +6,7 @@ This module owns everything zserve knows about a `.gguf` file:
     header = read_header(path)            # metadata + tensor table (no tensor data read)
     cfg = config_dict(header)             # what config.json would say: ModelConfig.from_dict(cfg)
     native_linears(header, config)        # the linear layers kept in their blocks (quantization gguf)
+    native_experts(header, config)        # ... and the experts' stacks
     load_weights(header, config, params)  # dequantize every tensor into our parameters (loader.py;
                                           # under tensor parallelism, this rank's part of it)
     sidecar = materialize(path)           # config + tokenizer files as an HF directory, cached
@@ -682,6 +683,28 @@ def native_linears(header: GGUFHeader, config) -> dict[str, tuple[list[str], lis
                           if key in unpermute else raw)
             qtypes.append(info.type_name)
         found[module] = (qtypes, blocks, parts[module])
+    return found
+
+
+_EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def native_experts(header: GGUFHeader, config) -> dict[str, tuple[list[str], list[np.ndarray],
+                                                                  list[str]]]:
+    """For --quantization gguf (one rank): each sparse layer's experts module ("layers.3.mlp.
+    experts") -> (the types of its gate, up and down stacks, their blocks as the file holds
+    them, uint8 [E, rows, bytes per row], the GGUF tensors read), where all three are
+    there and of KEPT_TYPES (quant_linear.QuantExperts); the others are dequantized."""
+    found = {}
+    for i in range(config.num_layers):
+        if not config.sparse(i):
+            continue
+        keys = [f"blk.{i}.{part}.weight" for part in _EXPERT_TENSORS]
+        infos = [header.tensors.get(key) for key in keys]
+        if None in infos or any(info.type_name not in KEPT_TYPES for info in infos):
+            continue
+        found[f"layers.{i}.mlp.experts"] = ([info.type_name for info in infos],
+                                            [header.raw(info) for info in infos], keys)
     return found
 
 
