@@ -713,3 +713,33 @@ def test_server_serves_a_q4_k_m_file_in_its_blocks(k_file, tmp_path):
     in_file = sum(info.nbytes for info in zgguf.read_header(path).tensors.values())
     assert in_file <= weights["bytes"] < 1.1 * in_file       # the file's tensors, + padding
     assert out["output_ids"] == expected
+
+
+@needs_kernels
+@pytest.mark.e2e
+def test_server_serves_a_mixture_of_experts_in_its_blocks(tmp_path):
+    """A Qwen3-MoE file mixed as llama-quantize's Q4_K_M mixes it (the experts' gate and up
+    stacks in Q4_K, their down stack in Q6_K; the router in F32, as the converter keeps
+    it) served with the default flags: /server_info's `weights` says every sparse layer's
+    experts are held in those blocks, at the file's bytes; greedy ids equal the in-process
+    native model's."""
+    hf_dir = build_tiny_checkpoint(tmp_path / "hf", "qwen3_moe", hidden_size=256,
+                                   head_dim=64, moe_intermediate_size=256,
+                                   **NEWER["qwen3_moe"])
+    path = write_gguf(hf_dir, tmp_path / "moe-q4_k_m.gguf", T.Q4_K, quantize_all=True,
+                      types={"ffn_down_exps.weight": T.Q6_K, "attn_v.weight": T.Q6_K,
+                             "output.weight": T.Q6_K})
+    native = load_model(path, torch.float32, "cpu", quantization="gguf")
+    prompt = IDS[:8].tolist()
+    expected, _ = our_greedy_with_margins(native, prompt, 16)
+    with serving(path, tmpdir=tmp_path) as s:
+        weights = s.server_info()["weights"]
+        out = s.generate_ok(input_ids=prompt, sampling_params={
+            "max_new_tokens": 16, "temperature": 0, "ignore_eos": True})
+    n = native.config.num_layers
+    assert weights["experts"] == {"layers": n, "blocks": {"Q4_K / Q6_K": n}}
+    assert sum(weights["linear_layers"].values()) == linear_layer_count(native.config)
+    from models import gguf as zgguf
+    in_file = sum(info.nbytes for info in zgguf.read_header(path).tensors.values())
+    assert in_file <= weights["bytes"] < 1.1 * in_file       # the file's tensors, + padding
+    assert out["output_ids"] == expected
