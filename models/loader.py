@@ -184,9 +184,9 @@ def describe_weights(model: nn.Module) -> dict:
     experts = [m for m in model.modules() if isinstance(m, Experts)]
     if experts:     # a mixture of experts' stacks (moe.py)
         out["experts"] = {"layers": len(experts)}
-        held = [m for m in experts if not isinstance(m, QuantExperts)]
-        if held:
-            out["experts"]["dtype"] = str(held[0].down_proj.dtype).removeprefix("torch.")
+        floats = [m for m in experts if not isinstance(m, QuantExperts)]
+        if floats:
+            out["experts"]["dtype"] = str(floats[0].down_proj.dtype).removeprefix("torch.")
         in_blocks: dict[str, int] = {}
         for m in experts:
             if isinstance(m, QuantExperts):
@@ -266,13 +266,13 @@ def _keep_gguf_blocks(model: CausalLM, header, dtype: torch.dtype,
     c = model.config
     sparse = sum(c.sparse(i) for i in range(c.num_layers))
     total = 2 * c.num_layers + 2 * (c.num_layers - sparse) + 1   # attention, dense MLPs, head
-    if kept:
-        log.info("quantization gguf: %d of %d linear layers kept in their blocks (%s)",
-                 sum(kept.values()), total, ", ".join(f"{n} {t}" for t, n in kept.items()))
     if sparse:
         log.info("quantization gguf: the experts of %d of %d sparse layers kept in their "
                  "blocks%s", sum(experts.values()), sparse,
                  f" ({', '.join(f'{n} {t}' for t, n in experts.items())})" if experts else "")
+    if kept:
+        log.info("quantization gguf: %d of %d linear layers kept in their blocks (%s)",
+                 sum(kept.values()), total, ", ".join(f"{n} {t}" for t, n in kept.items()))
     else:
         log.warning("quantization gguf: none of %s's linear layers is of a block type "
                     "zserve runs on (%s); all are dequantized (this file needs "
