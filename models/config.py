@@ -91,7 +91,8 @@ class ModelConfig:
     # every layer does.
     rope_layers: tuple[int, ...] | None = None
     # Per layer, 1 for a sliding-window (local) layer and 0 for a full (global) one: Gemma's
-    # layer_types. None: every layer the same (windowed iff sliding_window is set).
+    # and windowed Qwen's layer_types. None: every layer the same (windowed iff
+    # sliding_window is set).
     layer_windows: tuple[int, ...] | None = None
     hidden_act: str = "silu"                  # a value of ACTIVATIONS
     attn_scale: float | None = None           # softmax scale; None: head_dim ** -0.5
@@ -181,8 +182,9 @@ class ModelConfig:
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {act!r}: zserve supports "
                              f"{sorted(ACTIVATIONS)}")
-        if cfg.get("use_sliding_window"):   # qwen2/qwen3 per-layer sliding windows
-            raise ValueError(f"{arch} with use_sliding_window=true is not supported")
+        # Layers of two kinds, local (windowed) and global: Gemma's, and Qwen's with
+        # use_sliding_window (its layers from max_window_layers on are local).
+        per_layer = gemma or bool(cfg.get("use_sliding_window"))
         if cfg.get("use_bidirectional_attention"):     # EmbeddingGemma: not a decoder
             raise ValueError(f"{arch} with use_bidirectional_attention=true is not supported")
 
@@ -215,7 +217,7 @@ class ModelConfig:
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             sliding_window=(cfg.get("sliding_window")
-                            if family in ("mistral", "mixtral", "phi3") or gemma
+                            if family in ("mistral", "mixtral", "phi3") or per_layer
                             else None),
             eos_token_ids=_eos_ids(cfg, generation or {}),
             bos_token_id=cfg.get("bos_token_id"),
@@ -224,7 +226,7 @@ class ModelConfig:
             vision_config=full if vision is not None else None,
             mrope_section=tuple(mrope) if mrope and vision is not None else None,
             rope_layers=_rope_layers(cfg) if family == "smollm3" else None,
-            layer_windows=_layer_windows(cfg, family) if gemma else None,
+            layer_windows=_layer_windows(cfg, family) if per_layer else None,
             hidden_act=ACTIVATIONS[act],
             attn_scale=(float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma
                         else None),
@@ -277,11 +279,14 @@ def _parse_rope(cfg: dict, family: str) -> tuple[float, dict | None, float | Non
 
 
 def _layer_windows(cfg: dict, family: str) -> tuple[int, ...]:
-    """Gemma's layer_types as 1 (sliding_attention) / 0 (full_attention), or the pattern
+    """layer_types as 1 (sliding_attention) / 0 (full_attention), or the pattern
     transformers derives without them: Gemma 2 alternates (local first), Gemma 3 has one
-    global layer in every sliding_window_pattern (6)."""
+    global layer in every sliding_window_pattern (6), Qwen's layers from max_window_layers
+    (28) on are local."""
     n = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
+    if types is None and family not in GEMMA_FAMILIES:
+        return tuple(int(i >= cfg.get("max_window_layers", 28)) for i in range(n))
     if types is None:
         every = 2 if family == "gemma2" else cfg.get("sliding_window_pattern", 6)
         return tuple(int((i + 1) % every != 0) for i in range(n))

@@ -13,7 +13,9 @@ This module owns everything zserve knows about a `.gguf` file:
 
 Architectures: general.architecture "llama" (Llama, and Mistral, which llama.cpp converts
 as llama; with llama.expert_count, Mixtral), "qwen2", "qwen3", "qwen3moe", "gemma2",
-"gemma3", "phi3". Mixtures of experts, as llama.cpp's converter writes them and its loader
+"gemma3", "phi3", "smollm3" (a llama whose every fourth layer has no RoPE: llama.cpp fixes
+that step at 4, as transformers' default no_rope_layer_interval; its q/k rows are permuted
+as llama's). Mixtures of experts, as llama.cpp's converter writes them and its loader
 reads them: each sparse layer's router `ffn_gate_inp` [E, hidden] (kept in F32 by the
 converter and llama-quantize) and its experts stacked, `ffn_gate_exps` / `ffn_up_exps`
 [E, I, hidden] and `ffn_down_exps` [E, hidden, I] (torch order), filling moe.py's stacks
@@ -87,7 +89,7 @@ from wire.model_path import SIDECAR_FILE, SIDECAR_VERSION, gguf_file_key, gguf_s
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                 "qwen3moe": "Qwen3MoeForCausalLM"}
+                 "smollm3": "SmolLM3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 MIXTRAL = "MixtralForCausalLM"
 _GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -423,7 +425,7 @@ def config_dict(header: GGUFHeader) -> dict:
     }
     if experts:
         cfg.update(_experts_config(get, arch, experts, cfg["intermediate_size"]))
-    elif arch == "llama":
+    elif arch in ("llama", "smollm3"):
         cfg["mlp_bias"] = "blk.0.ffn_gate.bias" in tensors
     if arch in ("qwen2", "qwen3", "qwen3moe"):
         cfg["use_sliding_window"] = False
@@ -614,7 +616,7 @@ _PHI3_FUSED = {"attn_qkv": ("q_proj", "k_proj", "v_proj"), "ffn_up": ("gate_proj
 def _permuted_heads(config) -> dict[str, int]:
     """GGUF tensor -> its head count, for the tensors llama.cpp permuted (see the module
     docstring): q and k, weights and biases, of the "llama" architecture."""
-    if config.family not in ("llama", "mistral", "mixtral"):
+    if config.family not in ("llama", "mistral", "smollm3", "mixtral"):
         return {}
     return {f"blk.{i}.{part}.{kind}": heads for i in range(config.num_layers)
             for part, heads in (("attn_q", config.num_heads), ("attn_k", config.num_kv_heads))
@@ -900,7 +902,16 @@ def _save_tokenizer(path: Path, out: Path, config) -> None:
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()      # "some keys were not parsed" noise
     try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except ValueError as exc:
+            if "is not supported yet" not in str(exc):
+                raise
+            # An architecture transformers cannot load from GGUF (SmolLM3): its tokenizer
+            # alone, by the file's tokenizer type, as AutoTokenizer would have built it.
+            from transformers import PreTrainedTokenizerFast
+            tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent),
+                                                          gguf_file=path.name)
     except Exception as exc:            # transformers raises many types; say which file
         raise ValueError(f"{path.name}: transformers cannot build its tokenizer: "
                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"

@@ -39,7 +39,7 @@ F32, Q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
 ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
         "qwen3": gguf.MODEL_ARCH.QWEN3, "gemma2": gguf.MODEL_ARCH.GEMMA2,
         "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3,
-        "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE}
+        "smollm3": gguf.MODEL_ARCH.SMOLLM3, "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE}
 # general.architecture where it is not the family's name: llama.cpp writes Mixtral as llama.
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
 
@@ -103,7 +103,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype=F32, types: dict | None = None,
     cfg = json.loads((hf_dir / "config.json").read_text())
     family = {"gemma3_text": "gemma3"}.get(cfg["model_type"], cfg["model_type"])
     arch = arch or GGUF_ARCH.get(family, family)
-    permuted = arch == "llama"                      # LlamaModel.permute (Mixtral too)
+    permuted = family in ("llama", "smollm3", "mixtral")   # LlamaModel.undo_permute
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     w = gguf.GGUFWriter(str(out), arch)
@@ -553,15 +553,16 @@ def test_llama3_rope_freqs_tensor(tmp_path):
     assert (our_logits(plain, ids) - want).abs().max() > 1.0  # the tensor matters here
 
 
-# Gemma 2, Gemma 3, Phi-3 and the mixtures of experts as their converters write them
-# (write_gguf). A GGUF has no query_pre_attn_scalar: llama.cpp takes head_dim's (but for
-# the 27B models), so these Gemmas are built with that scale. A qwen3moe file has no
-# norm_topk_prob (llama.cpp renormalizes always, as Qwen3-MoE's configs say) and no dense
-# layer (llama.cpp's qwen3moe tensors have none), so this Qwen3-MoE renormalizes and has
-# experts on every layer; the rest is the tiny families' own config.
+# Gemma 2, Gemma 3, Phi-3, SmolLM3 and the mixtures of experts as their converters write
+# them (write_gguf). A GGUF has no query_pre_attn_scalar: llama.cpp takes head_dim's (but
+# for the 27B models), so these Gemmas are built with that scale; nor SmolLM3's NoPE step:
+# llama.cpp's is 4, so that SmolLM3 has 4 layers, its last without RoPE. A qwen3moe file
+# has no norm_topk_prob (llama.cpp renormalizes always, as Qwen3-MoE's configs say) and no
+# dense layer (llama.cpp's qwen3moe tensors have none), so this Qwen3-MoE renormalizes and
+# has experts on every layer. The rest is the tiny families' own.
 NEWER = {"gemma2": dict(query_pre_attn_scalar=16), "gemma3": dict(query_pre_attn_scalar=32),
-         "phi3": {}, "qwen3_moe": dict(norm_topk_prob=True, mlp_only_layers=[]),
-         "mixtral": {}}
+         "phi3": {}, "smollm3": dict(no_rope_layer_interval=4, num_hidden_layers=4),
+         "qwen3_moe": dict(norm_topk_prob=True, mlp_only_layers=[]), "mixtral": {}}
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,9 @@ FAMILIES = {
     "smollm3": lambda: SmolLM3Config(**SMALL, no_rope_layer_interval=2, attention_bias=True,
                                      pad_token_id=0),
     "mistral_window": lambda: MistralConfig(**SMALL, sliding_window=6),
+    # a global layer, then (from max_window_layers) a local one
+    "qwen2_window": lambda: Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=6,
+                                        max_window_layers=1),
     # windows of 6 (the 20-token checks reach past them), a query scale not head_dim's,
     # GeGLU, (1 + w) norms, scaled embeddings; Gemma 2's score and logit caps
     "gemma2": lambda: Gemma2Config(**SMALL, head_dim=16, query_pre_attn_scalar=24,
