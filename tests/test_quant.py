@@ -421,6 +421,31 @@ def test_q4_native_argmaxes_agree_with_dequantized(tiny_file, family, qtype):
     assert agree >= 0.9, agree
 
 
+@needs_kernels
+def test_experts_of_another_type_are_dequantized(tmp_path):
+    """A sparse layer whose stacks are not all of kept types (here the down stack in F16)
+    keeps its experts as float stacks, the file's values dequantized, while the linear
+    layers around them stay in their Q8_0 blocks; /server_info's description says which."""
+    from models import describe_weights
+
+    hf_dir = build_tiny_checkpoint(tmp_path / "hf", "mixtral")
+    path = write_gguf(hf_dir, tmp_path / "f16-down.gguf", T.Q8_0,
+                      types={"blk.1.ffn_down_exps.weight": T.F16})
+    native = load_model(path, torch.float32, "cpu", quantization="gguf")
+    plain = load_model(path, torch.float32, "cpu", quantization="none", pack=False)
+    kept, floats = native.layers[0].mlp.experts, native.layers[1].mlp.experts
+    assert isinstance(kept, QuantExperts) and not isinstance(floats, QuantExperts)
+    assert torch.equal(floats.down_proj, plain.layers[1].mlp.experts.down_proj)
+    assert torch.equal(floats.gate_up_proj, plain.layers[1].mlp.experts.gate_up_proj)
+    weights = describe_weights(native)
+    assert weights["experts"] == {"layers": 2, "dtype": "float32",
+                                  "blocks": {"Q8_0 / Q8_0": 1}}
+    assert weights["linear_layers"] == {"Q8_0": linear_layer_count(native.config)}
+    with step_batch(1):                                 # float activations: the same model
+        got, want = our_logits(native, IDS), our_logits(plain, IDS)
+    torch.testing.assert_close(got, want, atol=1e-4 * float(want.std()), rtol=0)
+
+
 # K-quant files as llama-quantize mixes them: Q4_K_M (Q5_K_M) keeps attn_v and ffn_down (and
 # the output) in Q6_K, the rest in Q4_K (Q5_K); Q3_K_M those in Q4_K / Q6_K, the rest in Q3_K; Q2_K
 # those in Q3_K / Q6_K, the rest in Q2_K; Q6_K and IQ4_XS are one type throughout. Widths
