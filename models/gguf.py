@@ -6,14 +6,28 @@ This module owns everything zserve knows about a `.gguf` file:
     header = read_header(path)            # metadata + tensor table (no tensor data read)
     cfg = config_dict(header)             # what config.json would say: ModelConfig.from_dict(cfg)
     native_linears(header, config)        # the linear layers kept in their blocks (quantization gguf)
+    native_experts(header, config)        # ... and the experts' stacks
     load_weights(header, config, params)  # dequantize every tensor into our parameters (loader.py;
                                           # under tensor parallelism, this rank's part of it)
     sidecar = materialize(path)           # config + tokenizer files as an HF directory, cached
 
 Architectures: general.architecture "llama" (Llama, and Mistral, which llama.cpp converts
-as llama), "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3" (a llama whose every
-fourth layer has no RoPE: llama.cpp fixes that step at 4, as transformers' default
-no_rope_layer_interval; its q/k rows are permuted as llama's). What llama.cpp's converter and
+as llama; with llama.expert_count, Mixtral), "qwen2", "qwen3", "qwen3moe", "gemma2",
+"gemma3", "phi3", "smollm3" (a llama whose every fourth layer has no RoPE: llama.cpp fixes
+that step at 4, as transformers' default no_rope_layer_interval; its q/k rows are permuted
+as llama's). Mixtures of experts, as llama.cpp's converter writes them and its loader
+reads them: each sparse layer's router `ffn_gate_inp` [E, hidden] (kept in F32 by the
+converter and llama-quantize) and its experts stacked, `ffn_gate_exps` / `ffn_up_exps`
+[E, I, hidden] and `ffn_down_exps` [E, hidden, I] (torch order), filling moe.py's stacks
+(each expert's gate_up_proj rows: gate, then up); `expert_count`, `expert_used_count`,
+and the experts' width I: Mixtral's `feed_forward_length`, Qwen3-MoE's
+`expert_feed_forward_length` (else feed_forward_length / expert_used_count, llama.cpp's
+fallback). The top-k weights are renormalized: Mixtral always; for qwen3moe llama.cpp
+hard-codes it (no metadata key is read) and transformers' GGUF loader defaults
+norm_topk_prob to true with it, as Qwen3-MoE's own configs say. Every layer of a qwen3moe
+file is sparse: llama.cpp's tensor list for qwen3moe has no dense MLP, so a model with
+mlp_only_layers cannot be converted, and llama.cpp requires ffn_gate_inp on every layer.
+Mixtral's q/k rows are permuted as llama's (undone the same way). What llama.cpp's converter and
 loader do for the last three, and this module undoes or reads the same way (config_dict):
 Gemma's norm weights are stored as 1 + weight (undone at load: (1 + weight) is what the
 model multiplies by); the local/global layer pattern is `attention.sliding_window_pattern`
@@ -71,10 +85,12 @@ from .quant_linear import KEPT_TYPES
 from wire.model_path import SIDECAR_FILE, SIDECAR_VERSION, gguf_file_key, gguf_sidecar_dir
 
 # general.architecture -> the HF architecture we build. Mistral GGUFs say "llama".
+# "llama" with experts (llama.expert_count) is Mixtral's: config_dict.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                 "smollm3": "SmolLM3ForCausalLM"}
+                 "smollm3": "SmolLM3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+MIXTRAL = "MixtralForCausalLM"
 _GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
 
@@ -342,9 +358,12 @@ def config_dict(header: GGUFHeader) -> dict:
     if int(meta.get("split.count", 1)) > 1:
         raise ValueError(f"{name}: split GGUF files are not supported; merge them first "
                          f"(llama-gguf-split --merge)")
-    if int(meta.get(f"{arch}.expert_count", 0) or 0) > 0:    # Mixtral's files say "llama"
-        raise ValueError(f"{name}: a mixture of experts from a GGUF file is not supported yet "
-                         f"(serve its safetensors directory: Qwen3-MoE and Mixtral are)")
+    experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    if experts and arch not in ("llama", "qwen3moe"):
+        raise ValueError(f"{name}: experts in a {arch!r} file are not supported (zserve reads "
+                         f"mixtures of experts from 'qwen3moe' and Mixtral's 'llama' files)")
+    if arch == "qwen3moe" and not experts:
+        raise ValueError(f"{name}: a qwen3moe file without qwen3moe.expert_count")
 
     def get(key, default=KeyError):
         value = meta.get(f"{arch}.{key}", default)
@@ -383,9 +402,10 @@ def config_dict(header: GGUFHeader) -> dict:
              frozenset([0, 30]): "bfloat16", frozenset([30]): "bfloat16"}.get(frozenset(types))
 
     eos = meta.get("tokenizer.ggml.eos_token_id")
+    hf_arch = MIXTRAL if experts and arch == "llama" else ARCHITECTURES[arch]
     cfg = {
-        "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
+        "architectures": [hf_arch],
+        "model_type": {MIXTRAL: "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}.get(hf_arch, arch),
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
@@ -403,17 +423,33 @@ def config_dict(header: GGUFHeader) -> dict:
         "eos_token_id": eos,
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
     }
-    if arch in ("llama", "smollm3"):
+    if experts:
+        cfg.update(_experts_config(get, arch, experts, cfg["intermediate_size"]))
+    elif arch in ("llama", "smollm3"):
         cfg["mlp_bias"] = "blk.0.ffn_gate.bias" in tensors
-    elif arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen3moe"):
         cfg["use_sliding_window"] = False
     elif arch in ("gemma2", "gemma3"):
         cfg.update(_gemma_config(header, get, cfg, rope))
-    else:
+    elif arch == "phi3":
         cfg.update(_phi3_config(header, get, rope, rope_dim / head_dim))
     if dtype is not None:
         cfg["dtype"] = dtype
     return cfg
+
+
+def _experts_config(get, arch: str, experts: int, feed_forward: int) -> dict:
+    """A mixture of experts' config keys, as llama.cpp's loader reads them (module
+    docstring): Mixtral's experts are feed_forward_length wide, Qwen3-MoE's
+    expert_feed_forward_length (else, as llama.cpp, feed_forward_length / experts used)."""
+    used = int(get("expert_used_count"))
+    out = {"num_local_experts": experts, "num_experts_per_tok": used}
+    if arch == "llama":
+        out["sliding_window"] = None
+        return out
+    width = get("expert_feed_forward_length", None)
+    return {**out, "moe_intermediate_size": int(width or feed_forward // used),
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 def _gemma_config(header: GGUFHeader, get, cfg: dict, rope: dict) -> dict:
@@ -539,6 +575,10 @@ def parameter_targets(config, shard=None) -> dict[str, tuple]:
                 del parts[part]
             parts.update(attn_qkv=("self_attn.qkv_proj", None, kinds),
                          ffn_up=("mlp.gate_up_proj", None, kinds))
+        if config.sparse(i):    # the experts stacked [E, ...], and the router
+            for part in ("ffn_gate", "ffn_up", "ffn_down"):
+                del parts[part]
+            targets.update(_expert_targets(config, local, i, shard))
         for gguf_part, (module, rows, allowed) in parts.items():
             for kind in allowed:
                 param = f"{module}.{kind}"
@@ -549,6 +589,26 @@ def parameter_targets(config, shard=None) -> dict[str, tuple]:
     return targets
 
 
+def _expert_targets(config, local, layer: int, shard) -> dict[str, tuple]:
+    """parameter_targets for a sparse layer (moe.py): the router ffn_gate_inp [E, hidden],
+    replicated; ffn_gate_exps and ffn_up_exps [E, I, hidden] fill the gate and up rows of
+    each expert's gate_up_proj [E, 2 I, hidden], ffn_down_exps [E, hidden, I] down_proj;
+    under tensor parallelism each expert's share of the I columns (Shard.select_stacked)."""
+    blk, ours, inter = f"blk.{layer}.", f"layers.{layer}.mlp.", local.moe_intermediate_size
+
+    def select(part: str):
+        return None if shard is None else shard.select_stacked(part)
+
+    every = slice(None)
+    return {f"{blk}ffn_gate_inp.weight": (f"{ours}gate.weight", every, None),
+            f"{blk}ffn_gate_exps.weight": (f"{ours}experts.gate_up_proj",
+                                           (every, slice(0, inter)), select("gate_proj")),
+            f"{blk}ffn_up_exps.weight": (f"{ours}experts.gate_up_proj",
+                                         (every, slice(inter, 2 * inter)), select("up_proj")),
+            f"{blk}ffn_down_exps.weight": (f"{ours}experts.down_proj", every,
+                                           select("down_proj"))}
+
+
 # Phi-3's fused GGUF tensors -> the column-parallel parts they stack (models/tp.py).
 _PHI3_FUSED = {"attn_qkv": ("q_proj", "k_proj", "v_proj"), "ffn_up": ("gate_proj", "up_proj")}
 
@@ -556,7 +616,7 @@ _PHI3_FUSED = {"attn_qkv": ("q_proj", "k_proj", "v_proj"), "ffn_up": ("gate_proj
 def _permuted_heads(config) -> dict[str, int]:
     """GGUF tensor -> its head count, for the tensors llama.cpp permuted (see the module
     docstring): q and k, weights and biases, of the "llama" architecture."""
-    if config.family not in ("llama", "mistral", "smollm3"):
+    if config.family not in ("llama", "mistral", "smollm3", "mixtral"):
         return {}
     return {f"blk.{i}.{part}.{kind}": heads for i in range(config.num_layers)
             for part, heads in (("attn_q", config.num_heads), ("attn_k", config.num_kv_heads))
@@ -628,6 +688,28 @@ def native_linears(header: GGUFHeader, config) -> dict[str, tuple[list[str], lis
     return found
 
 
+_EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def native_experts(header: GGUFHeader, config) -> dict[str, tuple[list[str], list[np.ndarray],
+                                                                  list[str]]]:
+    """For --quantization gguf (one rank): each sparse layer's experts module ("layers.3.mlp.
+    experts") -> (the types of its gate, up and down stacks, their blocks as the file holds
+    them, uint8 [E, rows, bytes per row], the GGUF tensors read), where all three are
+    there and of KEPT_TYPES (quant_linear.QuantExperts); the others are dequantized."""
+    found = {}
+    for i in range(config.num_layers):
+        if not config.sparse(i):
+            continue
+        keys = [f"blk.{i}.{part}.weight" for part in _EXPERT_TENSORS]
+        infos = [header.tensors.get(key) for key in keys]
+        if None in infos or any(info.type_name not in KEPT_TYPES for info in infos):
+            continue
+        found[f"layers.{i}.mlp.experts"] = ([info.type_name for info in infos],
+                                            [header.raw(info) for info in infos], keys)
+    return found
+
+
 def load_weights(header: GGUFHeader, config, params: dict[str, torch.Tensor],
                  shard=None, native: frozenset[str] = frozenset()) -> torch.Tensor | None:
     """Dequantize every tensor of the file into its rows of `params` (allocated, any dtype
@@ -640,7 +722,7 @@ def load_weights(header: GGUFHeader, config, params: dict[str, torch.Tensor],
 
     name = header.path.name
     targets = {k: v for k, v in parameter_targets(config, shard).items() if v[0] in params}
-    extra = ({"rope_freqs.weight"} if config.family in ("llama", "mistral") else
+    extra = ({"rope_freqs.weight"} if config.family in ("llama", "mistral", "mixtral") else
              {"rope_factors_long.weight", "rope_factors_short.weight"}    # config_dict's
              if config.family == "phi3" else set())
     unexpected = sorted(set(header.tensors) - set(targets) - extra - native)

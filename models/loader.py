@@ -20,10 +20,11 @@ Quantization (--quantization; one rank, CPU with kernels.avx2_available): "gguf"
 GGUF file's linear layers in their blocks wherever every part is of a type it keeps
 (quant_linear.py: KEPT_TYPES; the parts of a fused layer may differ in type), and its
 embedding too when that is of such a type (QuantEmbedding): they are never dequantized,
-their parameters never allocated. "int8" quantizes a float checkpoint's linear layers to
-Q8_0 blocks once loaded; "none" dequantizes (or keeps) floats. Norms, and any layer of
-another type, stay in the dtype; so do a mixture of experts' router and expert stacks
-(moe.py: they are not nn.Linear modules).
+their parameters never allocated; a mixture of experts' stacks likewise, layer by layer,
+where its three stacked tensors are of those types (QuantExperts). "int8" quantizes a float
+checkpoint's linear layers to Q8_0 blocks once loaded; "none" dequantizes (or keeps)
+floats. Norms, the routers, and any layer of another type, stay in the dtype; so do the
+expert stacks under "int8" (moe.py: they are not nn.Linear modules).
 
 A mixture of experts (Qwen3-MoE, Mixtral) comes from safetensors in either layout
 transformers 5 reads: one tensor per expert (the Hub's, and save_pretrained's) or the
@@ -53,7 +54,7 @@ from models.distributed import SOLO
 from .cpu_linear import CpuLinear
 from .fast_decode import FastDecode
 from .packed import PackedLinear, can_pack
-from .quant_linear import KEPT_TYPES, QuantEmbedding, QuantLinear, quantize_q8_0
+from .quant_linear import KEPT_TYPES, QuantEmbedding, QuantExperts, QuantLinear, quantize_q8_0
 from .rope import cos_sin_table
 from wire.proc import return_freed_heap
 from wire.server_args import INT8_BATCH, QUANTIZATIONS, quantization_refusal
@@ -158,7 +159,9 @@ def describe_weights(model: nn.Module) -> dict:
     types, e.g. "Q4_K+Q6_K" for a fused layer kept in two, or the dtype it was dequantized
     or loaded in) with how many layers have it, the embedding's, and the bytes the weights
     hold: the parameters and the blocks (a table shared by the embedding and a tied head
-    once); for a mixture of experts, how many layers hold expert stacks and their dtype."""
+    once); for a mixture of experts, how many layers hold expert stacks, the dtype of those
+    held in floats ("dtype") and how many are held in GGUF blocks ("blocks": by form,
+    "Q4_K / Q6_K": the gate and up stacks' type, then the down stack's; QuantExperts)."""
     def form(module) -> str:             # block types, or the dtype
         return (module.qtype if isinstance(module, (QuantLinear, QuantEmbedding))
                 else str(module.weight.dtype).removeprefix("torch."))
@@ -167,7 +170,8 @@ def describe_weights(model: nn.Module) -> dict:
     for module in model.modules():
         if isinstance(module, (QuantLinear, nn.Linear, CpuLinear, PackedLinear)):
             forms[form(module)] = forms.get(form(module), 0) + 1
-    blocks = [b for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))
+    blocks = [b for m in model.modules()
+              if isinstance(m, (QuantLinear, QuantEmbedding, QuantExperts))
               for b in m.buffers(recurse=False)]
     held = {}
     for t in (*model.parameters(), *blocks):             # not the RoPE table (a buffer too)
@@ -178,9 +182,17 @@ def describe_weights(model: nn.Module) -> dict:
     out = {"linear_layers": dict(sorted(forms.items())), "embedding": form(model.embed_tokens),
            "bytes": sum(held.values())}
     experts = [m for m in model.modules() if isinstance(m, Experts)]
-    if experts:     # a mixture of experts' stacks (moe.py): in the dtype, whatever --quantization
-        out["experts"] = {"layers": len(experts),
-                          "dtype": str(experts[0].down_proj.dtype).removeprefix("torch.")}
+    if experts:     # a mixture of experts' stacks (moe.py)
+        out["experts"] = {"layers": len(experts)}
+        floats = [m for m in experts if not isinstance(m, QuantExperts)]
+        if floats:
+            out["experts"]["dtype"] = str(floats[0].down_proj.dtype).removeprefix("torch.")
+        in_blocks: dict[str, int] = {}
+        for m in experts:
+            if isinstance(m, QuantExperts):
+                in_blocks[m.qtype] = in_blocks.get(m.qtype, 0) + 1
+        if in_blocks:
+            out["experts"]["blocks"] = dict(sorted(in_blocks.items()))
     return out
 
 
@@ -223,6 +235,20 @@ def _keep_gguf_blocks(model: CausalLM, header, dtype: torch.dtype,
         kept[quant.qtype] = kept.get(quant.qtype, 0) + 1
         if name != "lm_head" or not model.config.tie_word_embeddings:
             used.update(keys)
+    experts: dict[str, int] = {}
+    for name, (qtypes, blocks, keys) in gguf.native_experts(header, model.config).items():
+        # np.array: a writable copy of the mapped file's read-only bytes, for torch
+        quant = QuantExperts(*zip(qtypes, (torch.from_numpy(np.array(b)) for b in blocks)),
+                             hidden_size=model.config.hidden_size, int8_batch=int8_batch)
+        want = tuple(model.get_submodule(name).gate_up_proj.shape)      # still on meta
+        if (quant.num_experts, 2 * quant.intermediate_size) != want[:2]:
+            raise ValueError(f"{header.path.name}: {keys[0]} has shape "
+                             f"{header.tensors[keys[0]].shape}, expected {want[0]} experts "
+                             f"of {want[1] // 2} rows")
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, quant)
+        experts[quant.qtype] = experts.get(quant.qtype, 0) + 1
+        used.update(keys)
     embed = header.tensors.get("token_embd.weight")
     if embed is not None and embed.type_name in KEPT_TYPES and model.shard is None:
         head = model.lm_head
@@ -237,7 +263,13 @@ def _keep_gguf_blocks(model: CausalLM, header, dtype: torch.dtype,
         log.info("quantization gguf: the embedding's lookups read its %s blocks%s",
                  embed.type_name, " (the tied LM head's)" if model.config.tie_word_embeddings
                  else "")
-    total = 4 * model.config.num_layers + 1
+    c = model.config
+    sparse = sum(c.sparse(i) for i in range(c.num_layers))
+    total = 2 * c.num_layers + 2 * (c.num_layers - sparse) + 1   # attention, dense MLPs, head
+    if sparse:
+        log.info("quantization gguf: the experts of %d of %d sparse layers kept in their "
+                 "blocks%s", sum(experts.values()), sparse,
+                 f" ({', '.join(f'{n} {t}' for t, n in experts.items())})" if experts else "")
     if kept:
         log.info("quantization gguf: %d of %d linear layers kept in their blocks (%s)",
                  sum(kept.values()), total, ", ".join(f"{n} {t}" for t, n in kept.items()))

@@ -24,7 +24,10 @@ float32, then cast back).
 The router and the experts stay torch (F.linear over the stacked weights): the CPU linear
 kernels and --quantization int8's Q8_0 blocks replace nn.Linear modules only, so they stay
 in the model's dtype, and the one-call decode step (fast_decode.py) runs dense MLPs only,
-so a model with experts decodes on the torch path, layer by layer.
+so a model with experts decodes on the torch path, layer by layer. An expert's two
+projections are its `gate_up(e, x)` and `down(e, h)`: --quantization gguf replaces the
+module with quant_linear.QuantExperts, the same forward over the file's blocks (one kernel
+call per projection of each chosen expert); the router stays float.
 
 Tensor parallelism (`tp`): each rank holds every expert's share of the intermediate columns
 (models/tp.py: Shard.moe_inter), as the dense MLP is cut; the down projection is then
@@ -69,6 +72,7 @@ class Experts(nn.Module):
         """config: this rank's (moe_intermediate_size its share of each expert's columns)."""
         super().__init__()
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.num_experts = e
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
@@ -77,7 +81,7 @@ class Experts(nn.Module):
         n, k = ids.shape
         flat = ids.reshape(-1)                          # pair p = token p // k, its choice p % k
         order = torch.argsort(flat, stable=True)        # pairs grouped by expert, tokens in order
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens = order // k
         out = x.new_empty((n * k, x.shape[1]))
         start = 0
@@ -85,11 +89,19 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             end = start + count
-            h = silu_and_mul(F.linear(x.index_select(0, tokens[start:end]), self.gate_up_proj[e]))
-            out.index_copy_(0, order[start:end], F.linear(h, self.down_proj[e]))
+            h = silu_and_mul(self.gate_up(e, x.index_select(0, tokens[start:end])))
+            out.index_copy_(0, order[start:end], self.down(e, h))
             start = end
         weighted = out * weights.reshape(-1, 1)         # float32 under routing_weights_fp32
         return weighted.view(n, k, -1).sum(dim=1).to(x.dtype)
+
+    def gate_up(self, e: int, x: Tensor) -> Tensor:
+        """Expert e's gate and up projections of x [M, hidden] -> [M, 2 * I] (gate first)."""
+        return F.linear(x, self.gate_up_proj[e])
+
+    def down(self, e: int, h: Tensor) -> Tensor:
+        """Expert e's down projection of h [M, I] -> [M, hidden]."""
+        return F.linear(h, self.down_proj[e])
 
 
 class SparseMoE(nn.Module):

@@ -1,5 +1,6 @@
 """QuantLinear: a linear layer whose weight stays in GGUF's blocks in memory, run by our C
-kernels: kernels/blocks.c (float activations, every type below) and kernels/quant.c (x
+kernels (and QuantEmbedding, its lookup; QuantExperts, a mixture of experts' stacks, each
+expert's projections a block matrix of its own): kernels/blocks.c (float activations, every type below) and kernels/quant.c (x
 rounded to int8 per block, as llama.cpp does; every type but Q2_K and Q3_K).
 
 The weight is the file's own bytes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (blocks of 32),
@@ -47,6 +48,7 @@ import torch
 from torch import nn
 
 from models import kernels
+from models.moe import Experts
 from wire.server_args import INT8_BATCH   # the batch from which INT8_TYPES take quant.c
 
 # ggml type name -> (gguf.GGMLQuantizationType value, weights per block, bytes per block)
@@ -161,6 +163,16 @@ class _Blocks(ctypes.Structure):          # blocks.c: ZsBlocks
                 ("part", _Part * MAX_PARTS)]
 
 
+def _c_blocks(parts: Sequence[tuple[str, int, int]], int8_batch: int) -> _Blocks:
+    """blocks.c's description (ZsBlocks) of a layer of `parts`: (type, rows, the address of
+    its regrouped blocks) each, in output row order, under the kernel rule (module doc)."""
+    c = _Blocks(len(parts), int(kernels.available("cpu", torch.float32)), int8_batch,
+                int(kernels.vnni_available("cpu")))
+    for i, (t, rows, address) in enumerate(parts):
+        c.part[i] = _Part(BLOCK_TYPES[t][0], int(t in INT8_TYPES), rows, address)
+    return c
+
+
 def _merged(qtypes: Sequence[str], blocks: Sequence[torch.Tensor]):
     """Consecutive parts of one type as one part."""
     out: list[tuple[str, list[torch.Tensor]]] = []
@@ -213,12 +225,8 @@ class QuantLinear(nn.Module):
         kernel rule, module doc), built on the first call, when the buffers are where they
         stay."""
         if self._c is None:
-            c = _Blocks(len(self.parts), int(kernels.available("cpu", torch.float32)),
-                        self.int8_batch, int(kernels.vnni_available("cpu")))
-            for i, (t, rows) in enumerate(self.parts):
-                c.part[i] = _Part(BLOCK_TYPES[t][0], int(t in INT8_TYPES), rows,
-                                  getattr(self, f"blocks_{i}").data_ptr())
-            self._c = c
+            self._c = _c_blocks([(t, rows, getattr(self, f"blocks_{i}").data_ptr())
+                                 for i, (t, rows) in enumerate(self.parts)], self.int8_batch)
         return ctypes.addressof(self._c)
 
     def extra_repr(self) -> str:
@@ -302,3 +310,82 @@ class QuantEmbedding(nn.Module):
             raise IndexError(f"QuantEmbedding: an id outside [0, {self.num_embeddings})")
         out = out.view(*ids.shape, self.embedding_dim)
         return out if self.dtype == torch.float32 else out.to(self.dtype)
+
+
+class QuantExperts(Experts):
+    """A mixture of experts' stacked weights kept in GGUF's blocks (moe.Experts' grouped
+    forward unchanged): `gate_up(e, x)` and `down(e, h)` are one blocks.c call each, on
+    expert e's rows of the file's stacked tensors, under the kernel rule of the module doc
+    (in a model step the step's requests decide, as for every layer; a direct call, the
+    expert's own rows). The experts of a layer share their types (one GGUF tensor holds
+    them all): each expert's gate_up is two parts (its gate rows, then its up rows, as in
+    the float stack), its down one. Each stack is regrouped (8 rows at a time, `regroup`) into
+    one buffer, [E, bytes per expert], row e expert e's: the file's memory, no float
+    copy. Router and routing stay moe.py's, in float."""
+
+    def __init__(self, gate: tuple[str, torch.Tensor], up: tuple[str, torch.Tensor],
+                 down: tuple[str, torch.Tensor], hidden_size: int,
+                 int8_batch: int = INT8_BATCH):
+        """gate, up: (type, uint8 [E, I, bytes per row of hidden_size]); down: (type, uint8
+        [E, hidden_size, bytes per row of I]): the GGUF tensors' own bytes."""
+        nn.Module.__init__(self)                        # no float stacks: the blocks instead
+        (gate_type, gate_b), (up_type, up_b), (down_type, down_b) = gate, up, down
+        experts, inter = gate_b.shape[:2]
+        self.num_experts, self.hidden_size, self.intermediate_size = experts, hidden_size, inter
+        for name, t, b, rows, width in (("gate", gate_type, gate_b, inter, hidden_size),
+                                        ("up", up_type, up_b, inter, hidden_size),
+                                        ("down", down_type, down_b, hidden_size, inter)):
+            if t not in BLOCK_TYPES:
+                raise ValueError(f"QuantExperts serves {sorted(BLOCK_TYPES)}, not {t}")
+            if width % BLOCK_TYPES[t][1] or b.dtype != torch.uint8 or \
+                    tuple(b.shape) != (experts, rows, row_bytes(t, width)):
+                raise ValueError(f"{t} {name} expert blocks {tuple(b.shape)} {b.dtype} do "
+                                 f"not fit {experts} experts of {rows} rows of {width}")
+            # One regroup of the whole stack: an expert's rows (I or hidden_size, each the
+            # input width of another of its projections, so a multiple of 32) fill whole
+            # groups of 8, so no group straddles two experts and expert e's groups are
+            # regroup(t, b[e]), row e of the buffer.
+            self.register_buffer(f"{name}_blocks",
+                                 regroup(t, b.reshape(experts * rows, -1)).view(experts, -1),
+                                 persistent=False)
+        self.types = (gate_type, up_type, down_type)
+        up_part = "" if up_type == gate_type else f"+{up_type}"
+        self.qtype = f"{gate_type}{up_part} / {down_type}"     # describe_weights' form
+        self.int8_batch = int8_batch
+        self._kernel = kernels.library().zs_linear_parts
+        self._c: tuple[list[_Blocks], list[_Blocks]] | None = None   # built on first use
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_experts} experts, {self.hidden_size} -> "
+                f"{self.intermediate_size} -> {self.hidden_size}, {self.qtype}")
+
+    def _descriptions(self) -> tuple[list[_Blocks], list[_Blocks]]:
+        """Each expert's gate_up and down as blocks.c layers (built once, on first use,
+        when the buffers are where they stay)."""
+        if self._c is None:
+            gate_type, up_type, down_type = self.types
+            i, h = self.intermediate_size, self.hidden_size
+            at = {n: (getattr(self, f"{n}_blocks").data_ptr(),
+                      getattr(self, f"{n}_blocks").stride(0)) for n in ("gate", "up", "down")}
+            self._c = ([_c_blocks([(gate_type, i, at["gate"][0] + e * at["gate"][1]),
+                                   (up_type, i, at["up"][0] + e * at["up"][1])],
+                                  self.int8_batch) for e in range(self.num_experts)],
+                       [_c_blocks([(down_type, h, at["down"][0] + e * at["down"][1])],
+                                  self.int8_batch) for e in range(self.num_experts)])
+        return self._c
+
+    def gate_up(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(self._descriptions()[0][e], x, 2 * self.intermediate_size)
+
+    def down(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        return self._matmul(self._descriptions()[1][e], h, self.hidden_size)
+
+    def _matmul(self, c: _Blocks, x: torch.Tensor, n: int) -> torch.Tensor:
+        """x [M, K] (the model's dtype, on the CPU) times one expert's blocks -> [M, n]."""
+        x32 = x.to(torch.float32).contiguous()
+        y = torch.empty((x32.shape[0], n), dtype=torch.float32)
+        if x32.shape[0] and self._kernel(ctypes.addressof(c), x32.data_ptr(), x32.shape[0],
+                                         x32.shape[1], None, y.data_ptr()):
+            raise MemoryError(f"QuantExperts: no memory for the scratch copies of "
+                              f"{x32.shape[0]} rows")
+        return y if x.dtype == torch.float32 else y.to(x.dtype)

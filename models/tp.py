@@ -167,11 +167,14 @@ class Shard:
     def select_stacked(self, param: str) -> Selection:
         """This rank's part of the experts stacked in one tensor, as transformers 5 holds
         them: "gate_up_proj" [E, 2 * I, hidden] (its gate rows, then its up rows, of every
-        expert) or "down_proj" [E, hidden, I]."""
+        expert) or "down_proj" [E, hidden, I]; or as a GGUF file does: "gate_proj",
+        "up_proj" [E, I, hidden] and "down_proj"."""
         lo, hi = self.moe_inter
         i = self.full.moe_intermediate_size
         if param == "gate_up_proj":
             return Selection(1, [*range(lo, hi), *range(i + lo, i + hi)], 2 * i)
+        if param in ("gate_proj", "up_proj"):
+            return Selection(1, slice(lo, hi), i)
         return Selection(2, slice(lo, hi), i)
 
     @property

