@@ -51,7 +51,7 @@ from .llama import ROW_BIASES, CausalLM
 from .moe import Experts
 from models import kernels
 from models.distributed import SOLO
-from .cpu_linear import CpuLinear
+from .cpu_linear import CpuExperts, CpuLinear
 from .fast_decode import FastDecode
 from .packed import PackedLinear, can_pack
 from .quant_linear import KEPT_TYPES, QuantEmbedding, QuantExperts, QuantLinear, quantize_q8_0
@@ -149,6 +149,8 @@ def load_model(model_path: str | Path, dtype: torch.dtype, device: str | torch.d
             model.lm_head = nn.Linear(hidden, rows, bias=False, device=device, dtype=dtype)
             model.lm_head.weight.data = model.embed_tokens.weight.data
         _replace_linears(model, layer, skip=("vision",))    # the encoder keeps torch's
+    if pack is not False and kernels.linear_available(torch.device(device), dtype):
+        _replace_experts(model)             # float experts on the linear kernel too
     model.fast = FastDecode.of(model)
     return_freed_heap()        # the temporaries' pages: ~24 MB of the default model's
     return model
@@ -365,6 +367,15 @@ def _cpu_linear_class(device: torch.device, dtype: torch.dtype) -> type[nn.Modul
     if kernels.linear_available(device, dtype):
         return CpuLinear
     return PackedLinear if can_pack(device, dtype) else None
+
+
+def _replace_experts(model: nn.Module) -> None:
+    """Every mixture of experts' float stacks (moe.Experts, not QuantExperts' blocks) laid
+    out for linear.c (CpuExperts), in place."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is Experts:
+                setattr(module, name, CpuExperts(child))
 
 
 def _replace_linears(model: nn.Module, layer: type[nn.Module],

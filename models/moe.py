@@ -21,10 +21,12 @@ top k, renormalized if norm_topk_prob, and the weights cast to the model's dtype
 routing_weights_fp32 (Mixtral keeps them in float32, so its products and their sum are in
 float32, then cast back).
 
-The router and the experts stay torch (F.linear over the stacked weights): the CPU linear
-kernels and --quantization int8's Q8_0 blocks replace nn.Linear modules only, so they stay
-in the model's dtype, and the one-call decode step (fast_decode.py) runs dense MLPs only,
-so a model with experts decodes on the torch path, layer by layer. An expert's two
+The router is torch; the experts are F.linear over the stacked weights here, and the loader
+puts them on our CPU linear kernel where it runs (cpu_linear.CpuExperts) or keeps a GGUF's
+in their blocks (quant_linear.QuantExperts), both through the gate_up / down hooks below.
+--quantization int8's Q8_0 blocks replace nn.Linear modules only, so the experts stay in the
+model's dtype, and the one-call decode step (fast_decode.py) runs dense MLPs only, so a
+model with experts decodes on the torch path, layer by layer. An expert's two
 projections are its `gate_up(e, x)` and `down(e, h)`: --quantization gguf replaces the
 module with quant_linear.QuantExperts, the same forward over the file's blocks (one kernel
 call per projection of each chosen expert); the router stays float.
@@ -79,19 +81,10 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         """x: [N, hidden]; weights, ids: [N, k] (Router's) -> [N, hidden] in x's dtype."""
         n, k = ids.shape
-        flat = ids.reshape(-1)                          # pair p = token p // k, its choice p % k
-        order = torch.argsort(flat, stable=True)        # pairs grouped by expert, tokens in order
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        tokens = order // k
         out = x.new_empty((n * k, x.shape[1]))
-        start = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            end = start + count
-            h = silu_and_mul(self.gate_up(e, x.index_select(0, tokens[start:end])))
-            out.index_copy_(0, order[start:end], self.down(e, h))
-            start = end
+        for e, tokens, pairs in _groups(ids, self.num_experts):
+            h = silu_and_mul(self.gate_up(e, x.index_select(0, tokens)))
+            out.index_copy_(0, pairs, self.down(e, h))
         weighted = out * weights.reshape(-1, 1)         # float32 under routing_weights_fp32
         return weighted.view(n, k, -1).sum(dim=1).to(x.dtype)
 
@@ -102,6 +95,34 @@ class Experts(nn.Module):
     def down(self, e: int, h: Tensor) -> Tensor:
         """Expert e's down projection of h [M, I] -> [M, hidden]."""
         return F.linear(h, self.down_proj[e])
+
+
+# Up to this many (token, expert) pairs a step (decode steps of a few requests), the groups
+# are made in Python from the ids: the same groups as the sort's, without its tensor ops
+# (~1.5 ms a layer at batch 1 with 128 experts, bench/README.md).
+_FEW_PAIRS = 64
+
+
+def _groups(ids: Tensor, num_experts: int) -> list[tuple[int, Tensor, Tensor]]:
+    """The step's (token, expert) pairs grouped by expert, ascending, each group's pairs in
+    pair order: (expert, its tokens [M], its pairs [M]), pair p being token p // k's p % k-th
+    choice. Experts no token chose are left out."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    if n * k <= _FEW_PAIRS:
+        by_expert: dict[int, list[int]] = {}
+        for p, e in enumerate(flat.tolist()):
+            by_expert.setdefault(e, []).append(p)
+        return [(e, torch.tensor([p // k for p in pairs]), torch.tensor(pairs))
+                for e, pairs in sorted(by_expert.items())]
+    order = torch.argsort(flat, stable=True)            # pairs by expert, in pair order
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    tokens, groups, start = order // k, [], 0
+    for e, count in enumerate(counts):
+        if count:
+            groups.append((e, tokens[start:start + count], order[start:start + count]))
+            start += count
+    return groups
 
 
 class SparseMoE(nn.Module):

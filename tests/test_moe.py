@@ -135,14 +135,61 @@ def test_bad_expert_counts_are_refused(tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_experts_decode_on_the_torch_path(tiny_moe, family):
     """FastDecode.of says None (decode.c runs dense MLPs only); the linear layers around
-    the experts still get the CPU kernels where there are some."""
+    the experts, and the experts, still get the CPU kernels where there are some."""
     model = load_model(tiny_moe(family), torch.float32, "cpu")
     assert model.fast is None
     assert isinstance(model.layers[0].mlp, moe.SparseMoE)
     if family == "qwen3_moe":                           # mlp_only_layers=[1]
         assert not isinstance(model.layers[1].mlp, moe.SparseMoE)
     if kernels.linear_available("cpu", torch.float32):
+        from models.cpu_linear import CpuExperts
         assert not isinstance(model.layers[0].self_attn.qkv_proj, torch.nn.Linear)
+        assert isinstance(model.layers[0].mlp.experts, CpuExperts)
+
+
+def test_few_pairs_make_the_sorts_groups():
+    """Decode-sized steps group in Python: the same experts, tokens and pairs, in the same
+    order, as the sort makes for bigger ones (so each expert's call sees the same rows)."""
+    g = torch.Generator().manual_seed(3)
+    for n, k in ((1, 8), (3, 2), (8, 8)):
+        ids = torch.stack([torch.randperm(20, generator=g)[:k] for _ in range(n)])
+        few = moe._groups(ids, 20)
+        limit, moe._FEW_PAIRS = moe._FEW_PAIRS, 0
+        try:
+            sorted_ = moe._groups(ids, 20)
+        finally:
+            moe._FEW_PAIRS = limit
+        assert [e for e, _, _ in few] == [e for e, _, _ in sorted_]
+        for (_, t1, p1), (_, t2, p2) in zip(few, sorted_):
+            assert t1.tolist() == t2.tolist() and p1.tolist() == p2.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_on_the_linear_kernel(dtype):
+    """CpuExperts (each expert's panels on linear.c) against the stacks in torch: float32
+    to summation order (the kernel sums K in another order: ~1e-6 relative); in bfloat16
+    a projection's output may round to the other side of a tie (one ulp of it), which the
+    next projection and the k-term sum carry through at their scale: a few ulps of the
+    outputs' magnitude."""
+    from models.cpu_linear import CpuExperts
+    if not kernels.linear_available("cpu", dtype):
+        pytest.skip(f"no linear kernel for {dtype} on this CPU")
+    torch.manual_seed(2)
+    block = moe.SparseMoE(moe_config(False, True, experts=8, k=2))
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.5)
+    block = block.to(dtype)
+    x = torch.randn(40, 16, dtype=dtype)
+    want = block(x)
+    block.experts = CpuExperts(block.experts)
+    got = block(x)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=0)
+    else:
+        ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().max()
+        assert (got.float() - want.float()).abs().max() <= 4 * ulp
+        assert (got == want).float().mean() > 0.9          # most outputs: no tie at all
 
 
 # ---- tensor parallelism in one process ----------------------------------------------------
