@@ -9,7 +9,7 @@
 - end to end on tiny checkpoints (checkpoints/tiny.py's rules; Qwen3-MoE with a dense layer
   among its sparse ones): greedy ids on /generate equal transformers', unary, in a batch
   and streamed, with the prefix cache on (its hits counted) and off, and under --tp-size 2
-  for Qwen3-MoE; a launch with --quantization int8 (the experts stay float) serves.
+  for Qwen3-MoE; --quantization int8 keeps the experts float.
 """
 
 from __future__ import annotations
@@ -306,15 +306,18 @@ def test_shared_prefixes_and_the_prefix_cache(server):
     wait_idle(server)
 
 
-@e2e
-def test_int8_quantization_keeps_the_experts_float(tiny_moe, tmp_path):
+def test_int8_quantization_keeps_the_experts_float(tiny_moe):
     """--quantization int8 turns the linear layers (attention, the dense MLP) into Q8_0
-    blocks; the experts and router are no nn.Linear and stay float32. It serves."""
+    blocks; the experts and router are no nn.Linear and stay float32 (in process: the
+    server loads the model with this same call)."""
+    from models import describe_weights
     if not kernels.avx2_available("cpu"):
         pytest.skip("--quantization int8 needs the AVX2 kernels")
-    with serving(tiny_moe("qwen3_moe"), "--quantization", "int8", tmpdir=tmp_path) as s:
-        out = s.generate_ok(input_ids=PROMPTS[0], sampling_params=GREEDY)
-        assert out["meta_info"]["completion_tokens"] == MAX_NEW
-        weights = s.server_info()["weights"]
-        assert "Q8_0" in weights["linear_layers"]
-        assert weights["experts"] == {"layers": 1, "dtype": "float32"}
+    model = load_model(tiny_moe("qwen3_moe"), torch.float32, "cpu", quantization="int8")
+    weights = describe_weights(model)
+    assert "Q8_0" in weights["linear_layers"]
+    assert weights["experts"] == {"layers": 1, "dtype": "float32"}
+    ids = torch.tensor(PROMPTS[0])
+    logits = model.compute_logits(model(ids, torch.arange(len(ids)),
+                                        DenseCausalAttention(layers=model.attention_layers)))
+    assert logits.shape == (len(ids), model.vocab_size) and torch.isfinite(logits).all()

@@ -1,13 +1,15 @@
 """SmolLM3 (Llama with no RoPE on every no_rope_layer_interval-th layer) end to end: greedy
-ids on /generate equal transformers' SmolLM3ForCausalLM, alone and in a batch, on a tiny
-checkpoint (checkpoints/tiny.py's rules) whose every second layer has no RoPE."""
+ids on /generate equal transformers' SmolLM3ForCausalLM, unary, in a batch and streamed, on
+a tiny checkpoint (checkpoints/tiny.py's rules) whose every second layer has no RoPE,
+without the prefix cache and in prefill chunks of 7 (with the cache: SmolLM3 served from
+its GGUF, test_gguf.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from checkpoints.tiny import build_tiny_checkpoint
-from tests.reference import first_near_tie, greedy_reference
+from tests.reference import assert_served_greedy
 from tests.server import serving
 
 pytestmark = pytest.mark.e2e
@@ -21,14 +23,6 @@ def model(tmp_path_factory):
 
 def test_greedy_equals_transformers(model, tmp_path):
     prompts = [[10, 200, 31, 77, 5, 600], [400, 12], list(range(20, 60))]
-    with serving(model, tmpdir=tmp_path) as s:
-        outs = s.generate_ok(input_ids=prompts, sampling_params={
-            "max_new_tokens": N, "temperature": 0, "ignore_eos": True})
-        alone = s.generate_ok(input_ids=prompts[0], sampling_params={
-            "max_new_tokens": N, "temperature": 0, "ignore_eos": True})
-    assert alone["output_ids"] == outs[0]["output_ids"]
-    for ids, out in zip(prompts, outs):
-        want, margins = greedy_reference(model, ids, N)
-        tie = first_near_tie(margins)
-        n = N if tie is None else tie
-        assert n >= 4 and out["output_ids"][:n] == want[:n]
+    with serving(model, "--disable-radix-cache", "--chunked-prefill-size", "7",
+                 tmpdir=tmp_path) as s:
+        assert_served_greedy(s, model, prompts, N)
