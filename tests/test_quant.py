@@ -731,6 +731,19 @@ def test_server_serves_a_q4_k_m_file_in_its_blocks(k_file, tmp_path):
     linear layer in its blocks (the fused q/k/v in two types) and the embedding's, at the
     file's bytes; greedy ids equal the in-process native model's."""
     path = k_file("Q4_K_M")
+    native, weights = serve_in_blocks(path, tmp_path)
+    n = native.config.num_layers
+    assert set(weights["linear_layers"]) == {"Q4_K", "Q4_K+Q6_K", "Q6_K"}
+    assert sum(weights["linear_layers"].values()) == 4 * n + 1
+    assert weights["embedding"] == "Q4_K"
+
+
+def serve_in_blocks(path: Path, tmp_path: Path):
+    """Serve a GGUF with the default flags: its greedy ids equal the in-process native
+    model's, and /server_info's `weights` holds the file's bytes (its tensors, + padding).
+    Returns (the native model, `weights`)."""
+    from models import gguf as zgguf
+
     native = load_model(path, torch.float32, "cpu", quantization="gguf")
     prompt = IDS[:8].tolist()
     expected, _ = our_greedy_with_margins(native, prompt, 16)
@@ -738,14 +751,10 @@ def test_server_serves_a_q4_k_m_file_in_its_blocks(k_file, tmp_path):
         weights = s.server_info()["weights"]
         out = s.generate_ok(input_ids=prompt, sampling_params={
             "max_new_tokens": 16, "temperature": 0, "ignore_eos": True})
-    n = native.config.num_layers
-    assert set(weights["linear_layers"]) == {"Q4_K", "Q4_K+Q6_K", "Q6_K"}
-    assert sum(weights["linear_layers"].values()) == 4 * n + 1
-    assert weights["embedding"] == "Q4_K"
-    from models import gguf as zgguf
     in_file = sum(info.nbytes for info in zgguf.read_header(path).tensors.values())
-    assert in_file <= weights["bytes"] < 1.1 * in_file       # the file's tensors, + padding
+    assert in_file <= weights["bytes"] < 1.1 * in_file
     assert out["output_ids"] == expected
+    return native, weights
 
 
 @needs_kernels
@@ -762,17 +771,7 @@ def test_server_serves_a_mixture_of_experts_in_its_blocks(tmp_path):
     path = write_gguf(hf_dir, tmp_path / "moe-q4_k_m.gguf", T.Q4_K, quantize_all=True,
                       types={"ffn_down_exps.weight": T.Q6_K, "attn_v.weight": T.Q6_K,
                              "output.weight": T.Q6_K})
-    native = load_model(path, torch.float32, "cpu", quantization="gguf")
-    prompt = IDS[:8].tolist()
-    expected, _ = our_greedy_with_margins(native, prompt, 16)
-    with serving(path, tmpdir=tmp_path) as s:
-        weights = s.server_info()["weights"]
-        out = s.generate_ok(input_ids=prompt, sampling_params={
-            "max_new_tokens": 16, "temperature": 0, "ignore_eos": True})
+    native, weights = serve_in_blocks(path, tmp_path)
     n = native.config.num_layers
     assert weights["experts"] == {"layers": n, "blocks": {"Q4_K / Q6_K": n}}
     assert sum(weights["linear_layers"].values()) == linear_layer_count(native.config)
-    from models import gguf as zgguf
-    in_file = sum(info.nbytes for info in zgguf.read_header(path).tensors.values())
-    assert in_file <= weights["bytes"] < 1.1 * in_file       # the file's tensors, + padding
-    assert out["output_ids"] == expected
