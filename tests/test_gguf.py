@@ -602,12 +602,13 @@ def test_newer_families_gguf_equals_safetensors_twin(newer_gguf, family):
     assert torch.equal(our_logits(ours, IDS), our_logits(twin, IDS))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_experts_from_gguf_sharded_equal_unsharded(newer_gguf, family):
-    """Tensor parallelism from the file (ranks as threads): each rank dequantizes a stacked
-    expert tensor whole and keeps its experts' share of the intermediate columns (and
-    Mixtral's q/k un-permuted per head before the cut); the logits are the whole model's
-    up to the rounding of the row-parallel sums (tests/test_moe.py's tolerance)."""
+@pytest.mark.parametrize("family", list(NEWER))
+def test_newer_families_from_gguf_sharded_equal_unsharded(newer_gguf, family):
+    """Tensor parallelism from the file (ranks as threads): each rank dequantizes a tensor
+    whole and keeps its part (a stacked expert tensor: its experts' share of the
+    intermediate columns; Phi-3's fused attn_qkv / ffn_up: its rows of each part; Mixtral's
+    and SmolLM3's q/k un-permuted per head before the cut); the logits are the whole
+    model's up to the rounding of the row-parallel sums (tests/test_moe.py's tolerance)."""
     from models.distributed import ThreadGroup
 
     _, path = newer_gguf(family)
@@ -618,7 +619,8 @@ def test_experts_from_gguf_sharded_equal_unsharded(newer_gguf, family):
     def logits(tp=None):
         m = load_model(path, torch.float32, "cpu", pack=False, **({} if tp is None else
                                                                   {"tp": tp}))
-        return m.compute_logits(m(ids, positions, DenseCausalAttention(lens)))
+        return m.compute_logits(m(ids, positions,
+                                  DenseCausalAttention(lens, m.attention_layers)))
     want = logits()
     got = ThreadGroup.run(2, logits)[0]
     torch.testing.assert_close(got, want, atol=5e-6 * float(want.abs().max()), rtol=0)
