@@ -47,6 +47,9 @@ import shutil
 import sys
 import tempfile
 
+# The tiny tokenizer's special ids (checkpoints/tiny.py), for every shape.
+_SPECIAL = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2)
+
 SMOLLM2_135M = dict(
     hidden_size=576,
     intermediate_size=1536,
@@ -63,13 +66,9 @@ SMOLLM2_135M = dict(
     initializer_range=0.02,
     attention_bias=False,
     mlp_bias=False,
-    bos_token_id=0,
-    eos_token_id=1,
-    pad_token_id=2,
+    **_SPECIAL,
 )
 
-# The tiny tokenizer's special ids (checkpoints/tiny.py), for every shape.
-_SPECIAL = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2)
 
 # google/gemma-3-270m's config.json (transformers 5 names: rope_parameters per layer type).
 GEMMA3_270M = dict(

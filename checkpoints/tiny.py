@@ -249,8 +249,6 @@ _FAMILY_CONFIG = {
 }
 # transformers' model_type where it is not the family's name.
 _MODEL_TYPE = {"gemma3": "gemma3_text", "mistral_window": "mistral"}
-# Gemma's norms scale by (1 + weight) and its embeddings by sqrt(hidden_size).
-_GEMMA = ("gemma2", "gemma3")
 
 
 def _config(family: str, vocab_size: int, special_ids: dict[str, int], overrides: dict):
@@ -313,6 +311,8 @@ def _init_weights(model, family: str, seed: int) -> None:
     """Overwrite every parameter with seeded, scaled uniform noise (see the rules above)."""
     import torch
 
+    from models.config import GEMMA_FAMILIES   # (1 + weight) norms, embeddings x sqrt(d)
+
     sqrt3 = math.sqrt(3.0)
     with torch.no_grad():
         # named_parameters yields a tied lm_head once, as embed_tokens.
@@ -322,14 +322,14 @@ def _init_weights(model, family: str, seed: int) -> None:
             # ("gate_up_proj" from "...mlp.experts.gate_up_proj")
             parts = name.split(".")
             leaf = parts[-2] if parts[-1] in ("weight", "bias") else parts[-1]
-            offset = 1.0 if family in _GEMMA else 0.0    # Gemma scales by (1 + weight)
+            offset = 1.0 if family in GEMMA_FAMILIES else 0.0   # Gemma: (1 + weight)
             if name == "model.norm.weight":
                 value = FINAL_NORM_GAIN * (1.0 + NORM_NOISE * u) - offset
             elif name.endswith("norm.weight"):
                 value = 1.0 + NORM_NOISE * u - offset
             elif name.endswith(".bias"):
                 value = BIAS_SCALE * u
-            elif leaf == "embed_tokens" and family in _GEMMA:   # std 1 once scaled by sqrt(d)
+            elif leaf == "embed_tokens" and family in GEMMA_FAMILIES:   # std 1 x sqrt(d)
                 value = sqrt3 * u / math.sqrt(param.shape[1])
             elif leaf in ("embed_tokens", "lm_head"):
                 value = sqrt3 * u

@@ -106,7 +106,8 @@ class ModelConfig:
     # Mixtures of experts (Qwen3-MoE, Mixtral; models/moe.py). Invariant: num_experts > 0
     # exactly when moe_layers is not None (a config whose layers are all dense is a dense
     # model: 0 experts). moe_layers: 1 for a layer whose MLP is the sparse one, 0 for a
-    # dense MLP of intermediate_size (Qwen3-MoE's mlp_only_layers, decoder_sparse_step); None: all dense.
+    # dense MLP of intermediate_size (Qwen3-MoE's mlp_only_layers, decoder_sparse_step);
+    # None: all dense.
     # The router takes the top experts_per_token of the softmax over the experts and
     # renormalizes their probabilities to sum to 1 if norm_topk_prob (Mixtral always);
     # routing_weights_fp32: the weights multiply the experts' outputs in float32 (Mixtral)

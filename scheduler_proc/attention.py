@@ -93,7 +93,12 @@ class StepAttention:
         self._windows: dict[int, _Window | None] = {
             w: None for w in {spec.window for spec in layers}
             if w is not None and w < longest}
-        self.windowed = bool(self._windows)     # fast_decode.py: not a step for decode.c
+
+    @property
+    def windowed(self) -> bool:
+        """Does some layer read less than everything this step (fast_decode.py: then not a
+        step for decode.c)?"""
+        return bool(self._windows)
 
     @classmethod
     def build(cls, cache: KVCache, table: torch.Tensor, out_slots: list[int],
