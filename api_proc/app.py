@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from api_proc import dashboard
 from api_proc.boundary import BadRequest, BodyLimits, JSONResponse, error_response, read_json
+from api_proc.chat import ChatCore
 from api_proc.guard import Guard, own_origins, parse_origins
 from api_proc.metrics import LOG_INTERVAL, metrics, throughput_line
 from api_proc.native import GenerateHandler
@@ -168,6 +169,8 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
             for task in tasks:
                 task.cancel()
 
+    tokenizer = TokenizeHandler(config)
+    core = ChatCore(config, dispatcher, tokenizer.count)
     routes = [
         Route("/generate", GenerateHandler(dispatcher, args.incremental_streaming_output,
                                            not args.disable_radix_cache,
@@ -183,9 +186,9 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
         Route("/metrics", metrics_route, methods=["GET"]),
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/flush_cache", flush_cache, methods=["POST"]),
-        *OpenAIHandler(config, dispatcher).routes(),
+        *OpenAIHandler(config, dispatcher, core).routes(),
         *dashboard.routes(),
-        *TokenizeHandler(config).routes(),
+        *tokenizer.routes(),
     ]
     origins = parse_origins(args.allowed_origins)
     middleware = [Middleware(Guard, api_key=args.api_key, admin_api_key=args.admin_api_key,

@@ -27,7 +27,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from api_proc.boundary import BadRequest, dumps, error_response, read_json
-from wire.messages import ChatMessage
+from wire.messages import ChatMessage, GenerateRequest
 from wire.proc import return_freed_heap
 from wire.server_args import ServerConfig
 
@@ -80,6 +80,18 @@ class TokenizeHandler:
         except RequestError as e:
             return error_response(str(e), 400)
         return Response(content, media_type="application/json")
+
+    async def count(self, req: GenerateRequest) -> int:
+        """The prompt tokens of a request, as the tokenizer workers count them (its chat
+        template, tools and images included); BadRequest for what they would refuse."""
+        from tokenization.prompts import RequestError
+
+        def work() -> int:
+            return len(self.tokenizer().tokenize(req).input_ids)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._worker, work)
+        except RequestError as e:
+            raise BadRequest(str(e)) from None
 
     async def tokenize(self, request: Request) -> Response:
         return await self._answer(request, self._tokenize)
