@@ -22,6 +22,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from api_proc import dashboard
+from api_proc.anthropic import AnthropicHandler
 from api_proc.boundary import BadRequest, BodyLimits, JSONResponse, error_response, read_json
 from api_proc.chat import ChatCore
 from api_proc.guard import Guard, own_origins, parse_origins
@@ -187,6 +188,7 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/flush_cache", flush_cache, methods=["POST"]),
         *OpenAIHandler(config, dispatcher, core).routes(),
+        *AnthropicHandler(core, args.send_timeout).routes(),
         *dashboard.routes(),
         *tokenizer.routes(),
     ]

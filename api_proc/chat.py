@@ -44,7 +44,7 @@ import dataclasses
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 
@@ -53,6 +53,7 @@ from api_proc.pipeline import Pipeline, Prompt, expand
 from api_proc.reasoning import StreamSplitter
 from api_proc.reasoning import split as split_reasoning
 from api_proc.state import Dispatcher, RequestState
+from api_proc.streaming import changes
 from api_proc.tools import ToolCall, ToolError, check_tools, forced_calls, forced_schema
 from api_proc.tools import parse as parse_tool_calls
 from wire.messages import (MAX_TOP_LOGPROBS, TEMPLATE_RESERVED, ChatMessage, ContentPart,
@@ -515,3 +516,27 @@ class Deltas:
         if text or lp.token_ids:
             out.append(("content", text, lp))
         return out
+
+
+async def pieces(dispatcher: Dispatcher, parsed: "ParsedOpenAI", state: RequestState
+                 ) -> AsyncIterator[tuple]:
+    """One streamed choice (admitted: pipeline.settle on state.next()) as the events its
+    dialect renders: ("keepalive",) after streaming.KEEPALIVE_S seconds without news, the
+    `Deltas` events, then ("finish", reason, matched_stop) or ("error", FinishReason). The
+    request is aborted if the consumer stops early (a client that left)."""
+    deltas = Deltas(parsed)
+    try:
+        async for changed in changes([state]):
+            if not changed:
+                yield ("keepalive",)
+                continue
+            if state.error is not None:
+                yield ("error", state.error)
+                return
+            text, _, lp = state.unsent()
+            for event in deltas.feed(state, text, lp):
+                yield event
+            if state.finished:
+                yield ("finish", deltas.finish(state), matched_stop(state.last.finish))
+    finally:
+        dispatcher.abort_unfinished([state])

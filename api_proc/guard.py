@@ -3,7 +3,7 @@
 Rules (README, "Hardening"):
 - `--api-key KEY`: every route but /health and /dashboard (a static page holding no data:
   the key is typed into it, and its calls carry it) needs `Authorization: Bearer KEY`
-  (401 otherwise).
+  or `x-api-key: KEY` (Anthropic's clients' header) (401 otherwise).
   Deny by default: the check wraps the whole app, so a route added later is covered too.
   With only `--admin-api-key`, the routes that are not admin routes stay open.
 - Admin routes (ADMIN_PATHS) act on other clients' work. With no key set anyone may call
@@ -124,12 +124,12 @@ class Guard:
         if origin is not None and not self._origin_allowed(origin):
             return _error(f"Requests from origin {origin!r} are not allowed.", 403), False
         path = scope["path"]
-        role = self._role(headers.get("authorization"))
+        role = self._role(headers.get("authorization"), headers.get("x-api-key"))
         if path in PUBLIC_PATHS:
             return None, role == "admin"
         if role is None:
-            return _error("Missing or invalid API key: send 'Authorization: Bearer KEY'.",
-                          401), False
+            return _error("Missing or invalid API key: send 'Authorization: Bearer KEY' "
+                          "(or 'x-api-key: KEY').", 401), False
         if path in ADMIN_PATHS:
             kind = headers.get("content-type")
             if kind is not None and kind.split(";")[0].strip().lower() != "application/json":
@@ -139,12 +139,15 @@ class Guard:
                 return _error(f"{path} needs the admin API key.", 403), False
         return None, role == "admin"
 
-    def _role(self, authorization: str | None) -> str | None:
-        """'admin', 'user' or None (refused)."""
+    def _role(self, authorization: str | None, x_api_key: str | None) -> str | None:
+        """'admin', 'user' or None (refused). The key comes as `Authorization: Bearer KEY`
+        or, as Anthropic's clients send it, `x-api-key: KEY`."""
         if self.api_key is None and self.admin_key is None:
             return "admin"                       # no keys: a local server, open to all
         scheme, _, token = (authorization or "").partition(" ")
         token = token.strip() if scheme.lower() == "bearer" else None
+        if token is None and x_api_key is not None:
+            token = x_api_key.strip()
         if _same(token, self.admin_key):
             return "admin"
         if _same(token, self.api_key):
