@@ -29,6 +29,7 @@ from api_proc.guard import Guard, own_origins, parse_origins
 from api_proc.metrics import LOG_INTERVAL, metrics, throughput_line
 from api_proc.native import GenerateHandler
 from api_proc.openai_api import OpenAIHandler
+from api_proc.responses import ResponsesHandler
 from api_proc.state import Dispatcher
 from api_proc.tokenize_routes import TokenizeHandler
 from wire import VERSION
@@ -189,6 +190,7 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
         Route("/flush_cache", flush_cache, methods=["POST"]),
         *OpenAIHandler(config, dispatcher, core).routes(),
         *AnthropicHandler(core, args.send_timeout).routes(),
+        *ResponsesHandler(core, args.send_timeout).routes(),
         *dashboard.routes(),
         *tokenizer.routes(),
     ]

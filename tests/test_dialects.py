@@ -141,3 +141,67 @@ def test_anthropic_errors_are_the_sdks_types(server, claude, model):
     with pytest.raises(anthropic.BadRequestError):     # a prefill
         claude.messages.create(model=model, max_tokens=5, messages=[
             {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}])
+
+
+# ---- OpenAI Responses ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def oai(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_responses_plain_and_streamed_give_the_greedy_text(oai, model, greedy_text):
+    r = oai.responses.create(model=model, input=QUESTION, max_output_tokens=MAX_TOKENS,
+                             temperature=0)
+    assert r.output_text == greedy_text and r.object == "response"
+    assert r.status in ("completed", "incomplete") and r.usage.output_tokens <= MAX_TOKENS
+    assert oai.responses.retrieve(r.id).output_text == greedy_text
+    kinds, text = [], ""
+    for ev in oai.responses.create(model=model, input=QUESTION, max_output_tokens=MAX_TOKENS,
+                                   temperature=0, stream=True):
+        kinds.append(ev.type)
+        if ev.type == "response.output_text.delta":
+            text += ev.delta
+        if ev.type in ("response.completed", "response.incomplete"):
+            final = ev.response
+    assert text == greedy_text == final.output_text
+    assert kinds[:3] == ["response.created", "response.in_progress",
+                         "response.output_item.added"]
+    assert kinds[-1] == "response.completed" if r.status == "completed" else \
+        "response.incomplete"
+    assert final.usage.input_tokens == r.usage.input_tokens
+    n = oai.post("/responses/input_tokens", cast_to=object,
+                 body={"model": model, "input": QUESTION})["input_tokens"]
+    assert n == r.usage.input_tokens
+    oai.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(r.id)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_function_call_then_previous_response_id(oai, model, stream):
+    tools = [{"type": "function", "name": "get_time", "parameters": TIME_SCHEMA}]
+    kwargs = dict(model=model, tools=tools, max_output_tokens=40,
+                  tool_choice={"type": "function", "name": "get_time"})
+    if stream:
+        with oai.responses.stream(input=QUESTION, **kwargs) as s:
+            first = s.get_final_response()
+    else:
+        first = oai.responses.create(input=QUESTION, **kwargs)
+    (call,) = [it for it in first.output if it.type == "function_call"]
+    assert call.name == "get_time" and json.loads(call.arguments)["zone"] in ("UTC", "CET")
+    follow = oai.responses.create(
+        model=model, previous_response_id=first.id, max_output_tokens=5,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "12:00"}])
+    assert follow.output[0].type == "message"
+    # the earlier turns are in the prompt: more input tokens than the first turn had
+    assert follow.usage.input_tokens > first.usage.input_tokens
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.create(model=model, input="hi", previous_response_id="resp_nonesuch")
+
+
+def test_responses_json_schema_format(oai, model):
+    r = oai.responses.create(model=model, input=QUESTION, max_output_tokens=40, text={
+        "format": {"type": "json_schema", "name": "time", "schema": TIME_SCHEMA,
+                   "strict": True}})
+    assert json.loads(r.output_text)["zone"] in ("UTC", "CET")
