@@ -41,8 +41,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from api_proc.boundary import BadRequest, JSONResponse, dumps, read_json
-from api_proc.chat import (ChatCore, OpenAIError, ParsedOpenAI, Reply, matched_stop, pieces,
-                           reply)
+from api_proc.chat import (ChatCore, OpenAIError, ParsedOpenAI, Reply, call_arguments,
+                           matched_stop, pieces, reply)
 from api_proc.pipeline import settle
 from api_proc.state import SubmitError
 from api_proc.streaming import SSEResponse
@@ -233,21 +233,13 @@ def stop_reason(reason: str | None, matched: int | str | None) -> str | None:
     return "stop_sequence" if isinstance(matched, str) else "end_turn"
 
 
-def _input(arguments: str) -> dict:
-    try:
-        value = json.loads(arguments)
-    except (ValueError, RecursionError):
-        value = None
-    return value if isinstance(value, dict) else {"arguments": arguments}
-
-
 def content_blocks(r: Reply) -> list[dict]:
     blocks: list[dict] = []
     if r.reasoning:
         blocks.append({"type": "thinking", "thinking": r.reasoning, "signature": ""})
     if r.content or not (blocks or r.calls):
         blocks.append({"type": "text", "text": r.content or ""})
-    blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.arguments)}
+    blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": call_arguments(c)}
                for c in r.calls]
     return blocks
 
@@ -353,7 +345,7 @@ class AnthropicHandler:
                                                  "name": call.name, "input": {}})
                     frames.append(event("content_block_delta", {"index": index, "delta": {
                         "type": "input_json_delta",
-                        "partial_json": json.dumps(_input(call.arguments),
+                        "partial_json": json.dumps(call_arguments(call),
                                                    ensure_ascii=False)}}))
             else:                           # finish
                 if index < 0:               # no block at all: an empty text block

@@ -28,6 +28,7 @@ from api_proc.chat import ChatCore
 from api_proc.guard import Guard, own_origins, parse_origins
 from api_proc.metrics import LOG_INTERVAL, metrics, throughput_line
 from api_proc.native import GenerateHandler
+from api_proc.ollama import OllamaHandler
 from api_proc.openai_api import OpenAIHandler
 from api_proc.responses import ResponsesHandler
 from api_proc.state import Dispatcher
@@ -191,6 +192,7 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
         *OpenAIHandler(config, dispatcher, core).routes(),
         *AnthropicHandler(core, args.send_timeout).routes(),
         *ResponsesHandler(core, args.send_timeout).routes(),
+        *OllamaHandler(core, args.send_timeout).routes(),
         *dashboard.routes(),
         *tokenizer.routes(),
     ]

@@ -433,6 +433,16 @@ def with_ids(calls: list[ToolCall]) -> list[ToolCall]:
             for c in calls]
 
 
+def call_arguments(call: ToolCall) -> dict:
+    """A call's arguments as an object (the dialects that send objects, not JSON text); a
+    text that is not a JSON object is kept under "arguments"."""
+    try:
+        value = json.loads(call.arguments)
+    except (ValueError, RecursionError):
+        value = None
+    return value if isinstance(value, dict) else {"arguments": call.arguments}
+
+
 def forced_reply_calls(parsed: "ParsedOpenAI", state: RequestState) -> list[ToolCall]:
     """A forced tool_choice's call, once the output finished as a whole call ([]
     otherwise: the text stays content)."""

@@ -80,8 +80,10 @@ class SSEResponse(StreamingResponse):
     frame generator is closed (its cleanup aborts the requests) and the connection is
     dropped."""
 
-    def __init__(self, frames: AsyncIterator[str], send_timeout: float):
-        super().__init__(frames, media_type="text/event-stream")
+    def __init__(self, frames: AsyncIterator[str], send_timeout: float,
+                 media_type: str = "text/event-stream"):
+        """media_type: another line format streamed alike (Ollama's NDJSON)."""
+        super().__init__(frames, media_type=media_type)
         self.send_timeout = send_timeout
 
     async def stream_response(self, send) -> None:

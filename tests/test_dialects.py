@@ -12,6 +12,7 @@ import json
 import re
 
 import anthropic
+import ollama
 import httpx
 import openai
 import pytest
@@ -205,3 +206,64 @@ def test_responses_json_schema_format(oai, model):
         "format": {"type": "json_schema", "name": "time", "schema": TIME_SCHEMA,
                    "strict": True}})
     assert json.loads(r.output_text)["zone"] in ("UTC", "CET")
+
+
+# ---- Ollama --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lama(server) -> ollama.Client:
+    return ollama.Client(host=server.url, headers={"Authorization": f"Bearer {KEY}"})
+
+
+def test_ollama_list_show_ps_version(server, lama, model):
+    (listed,) = lama.list().models
+    assert listed.model == f"{model}:latest" and listed.size > 0
+    shown = lama.show(f"{model}:latest")
+    assert "completion" in shown.capabilities and "tools" in shown.capabilities
+    assert lama.ps().models[0].model == listed.model
+    assert httpx.get(server.url + "/api/version", headers=server.headers).json()["version"]
+    with pytest.raises(ollama.ResponseError) as e:
+        lama.show("llama3.2:latest")
+    assert e.value.status_code == 404
+
+
+def test_ollama_chat_and_generate_give_the_greedy_text(lama, model, greedy_text):
+    options = {"temperature": 0, "num_predict": MAX_TOKENS}
+    messages = [{"role": "user", "content": QUESTION}]
+    r = lama.chat(model=model, messages=messages, options=options, stream=False)
+    assert r.message.content == greedy_text and r.done and r.done_reason in ("stop", "length")
+    assert r.eval_count <= MAX_TOKENS and r.prompt_eval_count > 0
+    assert r.total_duration >= r.prompt_eval_duration > 0
+    parts = list(lama.chat(model=f"{model}:latest", messages=messages, options=options,
+                           stream=True))
+    assert "".join(p.message.content for p in parts) == greedy_text
+    assert parts[-1].done and not any(p.done for p in parts[:-1])
+    assert parts[-1].eval_count == r.eval_count
+    g = lama.generate(model=model, prompt=QUESTION, options=options)
+    assert g.response == greedy_text and g.done
+    streamed = "".join(p.response for p in lama.generate(model=model, prompt=QUESTION,
+                                                         options=options, stream=True))
+    assert streamed == greedy_text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_ollama_format_constrains_the_output(lama, model, stream):
+    parts = lama.chat(model=model, messages=[{"role": "user", "content": QUESTION}],
+                      stream=stream, options={"num_predict": 40}, think=True,
+                      format={"type": "string", "pattern": "^[a-z]{4}$"})
+    if stream:
+        parts = list(parts)
+        content = "".join(p.message.content for p in parts)
+    else:
+        content = parts.message.content
+    assert re.fullmatch('"[a-z]{4}"', content), content
+
+
+def test_ollama_errors(lama, model):
+    with pytest.raises(ollama.ResponseError) as e:
+        lama.chat(model=model, messages=[{"role": "user", "content": "hi"}],
+                  options={"temperature": -1})
+    assert e.value.status_code == 400 and "temperature" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        lama.generate(model=model, prompt="hi", raw=True)
+    assert e.value.status_code == 400
