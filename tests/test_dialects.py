@@ -267,3 +267,14 @@ def test_ollama_errors(lama, model):
     with pytest.raises(ollama.ResponseError) as e:
         lama.generate(model=model, prompt="hi", raw=True)
     assert e.value.status_code == 400
+
+
+def test_every_dialect_has_its_route_in_metrics(server, lama, claude, oai, model):
+    """Runs after the tests above (file order): each dialect's requests are counted under
+    its own route label."""
+    text = httpx.get(server.url + "/metrics", headers=server.headers).text
+    for route in ("chat_completions", "messages", "responses", "ollama_chat",
+                  "ollama_generate"):
+        assert re.search(rf'zserve:requests_total{{[^}}]*route="{route}"[^}}]*}} [1-9]',
+                         text), route
+    assert httpx.get(server.url + "/api/tags").status_code == 401      # behind --api-key
