@@ -28,6 +28,7 @@ Translation (what is taken, what is refused):
   --api-server-count > 1 a follow-up may reach another process: 404), bounded to
   STORE_MAX_RESPONSES responses and STORE_MAX_BYTES of JSON, the oldest dropped first.
 - status "completed", or "incomplete" with incomplete_details.reason "max_output_tokens".
+- `background` and `conversation` (the Conversations API) are refused.
 """
 
 from __future__ import annotations
@@ -277,6 +278,11 @@ class ResponsesHandler:
                 raise OpenAIError(f"Previous response with id '{previous}' not found.", 404,
                                   "previous_response_id")
             history = stored[1]
+        for key in ("background", "conversation"):
+            if body.get(key):
+                raise OpenAIError(f"{key} is not supported: a response is made while the "
+                                  f"request waits (use store and previous_response_id for "
+                                  f"conversations).", param=key)
         if body.get("store") is not None and type(body["store"]) is not bool:
             raise OpenAIError("store must be a boolean.", param="store")
         chat, conversation = to_chat(body, history)
