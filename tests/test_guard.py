@@ -84,7 +84,8 @@ def test_every_route_but_the_public_ones_needs_the_key(app, client):
     assert PUBLIC_PATHS == {"/health", "/dashboard"}
     checked = 0
     for path, method in routes(app):
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                        {"x-api-key": "wrong"}):
             r = client.request(method, path, json={}, headers=headers)
             if path in PUBLIC_PATHS:
                 assert r.status_code != 401, (path, method)
@@ -94,6 +95,18 @@ def test_every_route_but_the_public_ones_needs_the_key(app, client):
                 assert r.headers["www-authenticate"] == "Bearer"
                 checked += 1
     assert checked >= 30
+    for path in ("/v1/messages", "/v1/responses", "/api/chat", "/api/tags"):
+        assert any(p == path for p, _ in routes(app)), path
+
+
+def test_the_key_may_come_as_x_api_key(client):
+    """Anthropic's clients send the key in x-api-key: it opens what the Bearer form does."""
+    r = client.post("/abort_request", json={"rid": "mine"}, headers={"x-api-key": KEY})
+    assert r.status_code == 200
+    r = client.post("/abort_request", json={"abort_all": True}, headers={"x-api-key": KEY})
+    assert r.status_code == 403
+    r = client.post("/abort_request", json={"abort_all": True}, headers={"x-api-key": ADMIN})
+    assert r.status_code == 200
 
 
 def test_admin_routes_need_the_admin_key(client):
