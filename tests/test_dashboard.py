@@ -263,6 +263,12 @@ def test_the_page_shows_traffic_and_streams_a_chat_answer(server, browser, traff
         ttft = browser.wait_for(f"{FIGURE.format('ttft-p50')}", "a TTFT percentile")
         assert float(ttft) > 0
         assert browser.js("document.getElementById('ttft-p50').textContent").endswith("s")
+        # finished requests per route: the traffic's, and the chat box's once it finished
+        by_route = browser.wait_for("document.getElementById('by-route').textContent"
+                                    ".includes('chat_completions') && document"
+                                    ".getElementById('by-route').textContent",
+                                    "the requests counted by route")
+        assert by_route.startswith("by route: "), by_route
     else:                                          # no /metrics: "-" and the page goes on
         assert browser.js("document.getElementById('ttft-p50').textContent") == "-"
 
