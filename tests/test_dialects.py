@@ -67,6 +67,15 @@ def greedy_text(server, model) -> str:
     return reply.choices[0].message.content
 
 
+def test_native_generate_of_the_templated_prompt_gives_the_greedy_text(server, greedy_text):
+    ids = httpx.post(server.url + "/tokenize", headers=server.headers, json={
+        "messages": [{"role": "user", "content": QUESTION}]}).json()["tokens"]
+    out = httpx.post(server.url + "/generate", headers=server.headers, json={
+        "input_ids": ids, "sampling_params": {"max_new_tokens": MAX_TOKENS,
+                                              "temperature": 0}}).json()
+    assert out["text"] == greedy_text
+
+
 # ---- Anthropic Messages --------------------------------------------------------------------
 
 def test_anthropic_message_and_stream_give_the_greedy_text(claude, model, greedy_text):

@@ -16,6 +16,7 @@ import struct
 import zlib
 
 import numpy as np
+import ollama
 import openai
 import pytest
 from PIL import Image
@@ -152,6 +153,22 @@ def test_chat_completions_with_image_url_parts(server, oracle, tokenizer, images
     assert r.usage.prompt_tokens == ours["meta_info"]["prompt_tokens"]
     assert r.choices[0].message.content == tokenizer.decode(ours["output_ids"],
                                                             skip_special_tokens=True)
+
+
+def test_ollama_images_as_the_chat_route_takes_them(server):
+    """Ollama's base64 `images` on a message are image parts after its text: the answer is
+    the chat route's for the same parts."""
+    text, options = "Compare ", {"temperature": 0, "num_predict": N}
+    r = ollama.Client(host=server.url).chat(model="default", options=options, messages=[
+        {"role": "user", "content": text, "images": [b64png(CAT), b64png(DOG)]}])
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+        want = client.chat.completions.create(model="default", max_tokens=N, temperature=0,
+                                              messages=[{"role": "user", "content": [
+            {"type": "text", "text": text}] + [
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64png(im)}"}}
+            for im in (CAT, DOG)]}])
+    assert r.message.content == want.choices[0].message.content
+    assert r.prompt_eval_count == want.usage.prompt_tokens
 
 
 def test_the_prefix_cache_is_keyed_by_the_image(server, oracle, tokenizer, family):
