@@ -41,9 +41,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from api_proc.boundary import BadRequest, JSONResponse, dumps, read_json
-from api_proc.chat import (ChatCore, OpenAIError, ParsedOpenAI, Reply, call_arguments,
-                           matched_stop, pieces, reply)
-from api_proc.pipeline import settle
+from api_proc.chat import (CONSTRAINT_EXTRAS, ChatCore, OpenAIError, ParsedOpenAI, Reply,
+                           call_arguments, matched_stop, pieces, reply)
 from api_proc.state import SubmitError
 from api_proc.streaming import SSEResponse
 
@@ -51,7 +50,6 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 408: "timeout_error",
                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 SAMPLING = ("temperature", "top_p", "top_k")
-EXTRAS = ("regex", "ebnf")     # SGLang's constraint fields, taken as on chat completions
 
 
 def error_json(message: str, status: int) -> dict:
@@ -194,7 +192,7 @@ def to_chat(body: Any, count_only: bool = False) -> dict:
             raise BadRequest("max_tokens is required: an integer >= 1.")
         chat["max_tokens"] = max_tokens
         chat["stream"] = body.get("stream")
-        for key in SAMPLING + EXTRAS:
+        for key in SAMPLING + CONSTRAINT_EXTRAS:
             chat[key] = body.get(key)
         stops = body.get("stop_sequences")
         if stops is not None:
@@ -274,12 +272,10 @@ class AnthropicHandler:
             return error_response(str(e), getattr(e, "status", 400))
         rid = "msg_" + parsed.requests[0].rid.split("-", 1)[-1].rsplit("_", 1)[0]
         model = self.core.model_id
-        dispatcher = self.core.dispatcher
+        early = await self.core.settled(request, parsed, state, error_response)
+        if early is not None:
+            return early
         if not parsed.stream:
-            early = await settle(request, dispatcher, [state], [state.wait_finished()],
-                                 error_response)
-            if early is not None:
-                return early
             r = reply(parsed, state)
             last = state.last
             return JSONResponse({
@@ -289,9 +285,6 @@ class AnthropicHandler:
                 "stop_sequence": _stop_sequence(last),
                 "usage": {"input_tokens": last.prompt_tokens,
                           "output_tokens": last.completion_tokens}})
-        early = await settle(request, dispatcher, [state], [state.next()], error_response)
-        if early is not None:
-            return early
         return SSEResponse(self._events(parsed, state, rid, model), self.send_timeout)
 
     async def _events(self, parsed: ParsedOpenAI, state, rid: str, model: str

@@ -47,9 +47,10 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
+from starlette.responses import Response
 
 from api_proc.boundary import BadRequest
-from api_proc.pipeline import Pipeline, Prompt, expand
+from api_proc.pipeline import Pipeline, Prompt, expand, settle
 from api_proc.reasoning import StreamSplitter
 from api_proc.reasoning import split as split_reasoning
 from api_proc.state import Dispatcher, RequestState
@@ -62,6 +63,7 @@ from wire.sampling import GRAMMAR_KEYS, SamplingError, SamplingParams
 from wire.server_args import ServerConfig
 
 MAX_LOGPROBS = MAX_TOP_LOGPROBS
+CONSTRAINT_EXTRAS = ("regex", "ebnf")   # SGLang's fields the other dialects pass through
 
 # OpenAI field (or SGLang extra) -> sampling_params key. max_tokens is handled apart.
 SAMPLING_FIELDS = {
@@ -407,6 +409,14 @@ class ChatCore:
                     ) -> list[RequestState]:
         """Submit (pipeline.Pipeline.start); BadRequest / SubmitError to answer at once."""
         return await self.pipeline.start(request, parsed.requests, parsed.warmups, route)
+
+    async def settled(self, request: Request, parsed: "ParsedOpenAI", state: RequestState,
+                      error) -> Response | None:
+        """Wait for a one-choice request to finish (unary) or be admitted (a stream: its
+        HTTP response may start) unless the client leaves: pipeline.settle's early
+        response (error(message, status) for a rejection), or None to answer."""
+        wait = state.next() if parsed.stream else state.wait_finished()
+        return await settle(request, self.dispatcher, [state], [wait], error)
 
     async def input_tokens(self, parsed: "ParsedOpenAI") -> int:
         """The prompt tokens the parsed body's prompt will count in its usage."""

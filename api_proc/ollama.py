@@ -40,7 +40,6 @@ from starlette.routing import Route
 
 from api_proc.boundary import BadRequest, JSONResponse, dumps, read_json
 from api_proc.chat import ChatCore, OpenAIError, ParsedOpenAI, call_arguments, pieces, reply
-from api_proc.pipeline import settle
 from api_proc.state import RequestState, SubmitError
 from api_proc.streaming import SSEResponse
 
@@ -228,18 +227,13 @@ class OllamaHandler:
             return error_response(str(e), e.status)
         except (BadRequest, SubmitError) as e:
             return error_response(str(e), getattr(e, "status", 400))
-        dispatcher = self.core.dispatcher
+        early = await self.core.settled(request, parsed, state, error_response)
+        if early is not None:
+            return early
         if not parsed.stream:
-            early = await settle(request, dispatcher, [state], [state.wait_finished()],
-                                 error_response)
-            if early is not None:
-                return early
             r = reply(parsed, state)
             return JSONResponse(self._line(chat, r.content or "", r.reasoning, r.calls,
                                            **self._done(state, r.finish)))
-        early = await settle(request, dispatcher, [state], [state.next()], error_response)
-        if early is not None:
-            return early
         return SSEResponse(self._lines(chat, parsed, state), self.send_timeout,
                            media_type="application/x-ndjson")
 

@@ -44,15 +44,14 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from api_proc.boundary import BadRequest, JSONResponse, dumps, read_json
-from api_proc.chat import ChatCore, OpenAIError, ParsedOpenAI, Reply, pieces, reply
+from api_proc.chat import (CONSTRAINT_EXTRAS, ChatCore, OpenAIError, ParsedOpenAI, Reply,
+                           pieces, reply)
 from api_proc.openai_api import error_json, error_response
-from api_proc.pipeline import settle
 from api_proc.state import RequestState, SubmitError
 from api_proc.streaming import SSEResponse
 
 STORE_MAX_RESPONSES = 1024
 STORE_MAX_BYTES = 64 << 20
-EXTRAS = ("regex", "ebnf")     # SGLang's constraint fields, taken as on chat completions
 ECHOED = ("instructions", "max_output_tokens", "metadata", "previous_response_id",
           "reasoning", "temperature", "text", "tool_choice", "tools", "top_p")
 
@@ -202,7 +201,7 @@ def to_chat(body: dict, history: list[dict]) -> tuple[dict, list[dict]]:
                             "max_tokens": body.get("max_output_tokens"),
                             "stream": body.get("stream"), "temperature": body.get("temperature"),
                             "top_p": body.get("top_p"), "response_format": _format(body),
-                            **{k: body.get(k) for k in EXTRAS}, **_tools(body)}
+                            **{k: body.get(k) for k in CONSTRAINT_EXTRAS}, **_tools(body)}
     reasoning = body.get("reasoning")
     if reasoning is not None:
         if not isinstance(reasoning, dict):
@@ -325,18 +324,13 @@ class ResponsesHandler:
                 **{k: body.get(k) for k in ECHOED}}
         head["tool_choice"] = head["tool_choice"] or "auto"
         head["tools"] = head["tools"] or []
-        dispatcher = self.core.dispatcher
+        early = await self.core.settled(request, parsed, state, error_response)
+        if early is not None:
+            return early
         if not parsed.stream:
-            early = await settle(request, dispatcher, [state], [state.wait_finished()],
-                                 error_response)
-            if early is not None:
-                return early
             r = reply(parsed, state)
             return JSONResponse(self._finish(head, state, r.finish, output_items(r),
                                              conversation))
-        early = await settle(request, dispatcher, [state], [state.next()], error_response)
-        if early is not None:
-            return early
         return SSEResponse(self._events(head, parsed, state, conversation), self.send_timeout)
 
     def _finish(self, head: dict, state: RequestState, reason: str | None,
