@@ -14,7 +14,8 @@ Translation (what is taken, what is refused):
   tool_use (assistant) and tool_result (user; string or text blocks; a tool message each,
   before the user's text) blocks; thinking blocks of earlier turns are dropped. A final
   assistant message (a prefill) is refused: the chat template would close it.
-- `max_tokens` (required), `stop_sequences`, `temperature`, `top_p`, `top_k` (which the
+- `max_tokens` (required; a cap: agents send 32000 or more, so it is lowered to the room
+  the prompt leaves in the context rather than refused), `stop_sequences`, `temperature`, `top_p`, `top_k` (which the
   2026 SDKs no longer send but older clients do: `extra_body` with the current ones), and
   SGLang's `regex` / `ebnf`; `output_config.format` {"type": "json_schema", "schema"}
   (structured outputs; `effort` ignored); `metadata` and `service_tier` are accepted and
@@ -253,7 +254,7 @@ class AnthropicHandler:
 
     def _parse(self, body: Any, count_only: bool = False) -> ParsedOpenAI:
         try:
-            return self.core.parse(to_chat(body, count_only))
+            return self.core.parse(to_chat(body, count_only), cap_max_tokens=True)
         except OpenAIError as e:            # the chat form's message, as Anthropic's error
             raise BadRequest(str(e), e.status) from None
 

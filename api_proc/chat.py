@@ -299,10 +299,12 @@ def _tool_call_id(value, i: int) -> str | None:
 
 
 def parse_chat(body: Any, model_id: str, context_length: int, tool_parser: str | None = None,
-               reasoning_parser: str | None = None, takes_images: bool = False
-               ) -> ParsedOpenAI:
+               reasoning_parser: str | None = None, takes_images: bool = False,
+               cap_max_tokens: bool = False) -> ParsedOpenAI:
     """tool_parser / reasoning_parser: the server's --tool-call-parser and
-    --reasoning-parser (None: not set); takes_images: the model is a vision one."""
+    --reasoning-parser (None: not set); takes_images: the model is a vision one;
+    cap_max_tokens: max_tokens is a cap, lowered to the room the prompt leaves (the
+    dialects whose clients send a big fixed one: Anthropic's, Ollama's), not a 400."""
     if not isinstance(body, dict):
         raise OpenAIError("The request body must be a JSON object.")
     check_model(body, model_id)
@@ -332,6 +334,8 @@ def parse_chat(body: Any, model_id: str, context_length: int, tool_parser: str |
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else \
         "max_tokens"
     unset = body.get(key) is None
+    if cap_max_tokens and not unset and type(body[key]) is int:
+        body = {**body, key: min(body[key], context_length - 1)}
     # Unset: checked against the most it can be; the tokenizer process fits it to the room
     # the templated prompt leaves (fit_context).
     params = sampling_params(body, key, context_length - 1 if unset else None)
@@ -347,7 +351,7 @@ def parse_chat(body: Any, model_id: str, context_length: int, tool_parser: str |
     reqs, warmups = expand([Prompt(messages=messages, template_json=template_json,
                                    image_data=images or None)], [params],
                            [f"chatcmpl-{base}_{j}" for j in range(params.n)], stream=stream,
-                           logprob=logprob_req, fit_context=unset)
+                           logprob=logprob_req, fit_context=unset or cap_max_tokens)
     return ParsedOpenAI(reqs, params.n, stream, include_usage, logprobs, warmups=warmups,
                         tool_choice=choice if forced is not None else None,
                         tool_parser=tool_parser if choice == "auto" else None,
@@ -399,11 +403,11 @@ class ChatCore:
         self.pipeline = Pipeline(dispatcher, not config.args.disable_radix_cache)
         self.count_tokens = count_tokens
 
-    def parse(self, body: Any) -> "ParsedOpenAI":
+    def parse(self, body: Any, cap_max_tokens: bool = False) -> "ParsedOpenAI":
         args = self.config.args
         return parse_chat(body, self.model_id, self.config.context_length,
                           args.tool_call_parser, args.reasoning_parser,
-                          self.config.model.image_token_id is not None)
+                          self.config.model.image_token_id is not None, cap_max_tokens)
 
     async def start(self, request: Request, parsed: "ParsedOpenAI", route: str
                     ) -> list[RequestState]:

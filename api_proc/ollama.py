@@ -18,7 +18,8 @@ Translation (what is taken, what is refused):
   are parsed from the output with --tool-call-parser), `format` ("json" or a JSON schema),
   `think` (false sets the template variable enable_thinking false; with
   --reasoning-parser the reasoning goes to `thinking`), `options`: temperature, top_p,
-  top_k, min_p, num_predict (-1 or -2: until the context ends), stop, seed, repeat_penalty,
+  top_k, min_p, num_predict (-1 or -2: until the context ends; more than the context
+  leaves is lowered to that, as Ollama does), stop, seed, repeat_penalty,
   presence_penalty, frequency_penalty (others, num_ctx among them, are ignored).
 - /api/generate: `prompt` and `system` rendered with the chat template (as Ollama renders
   its template); `raw`, `template`, `suffix` and `context` are refused. An empty prompt
@@ -220,7 +221,7 @@ class OllamaHandler:
             form = chat_body(body, model) if chat else generate_body(body, model)
             if chat and not form["messages"] or not chat and not body.get("prompt"):
                 return JSONResponse(self._line(chat, "", done=True, done_reason="load"))
-            parsed = self.core.parse(form)
+            parsed = self.core.parse(form, cap_max_tokens=True)
             (state,) = await self.core.start(request, parsed, "ollama_chat" if chat
                                              else "ollama_generate")
         except OpenAIError as e:

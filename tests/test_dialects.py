@@ -135,6 +135,14 @@ def test_anthropic_thinking_is_a_thinking_block(claude, model, stream):
     assert re.fullmatch("[a-z]{6}", msg.content[1].text)
 
 
+def test_anthropic_max_tokens_is_a_cap(claude, model):
+    """Agents send a large fixed max_tokens: it is lowered to the room the context leaves."""
+    with claude.messages.stream(model=model, max_tokens=1_000_000, extra_body={
+            "regex": "[a-z]{3}"}, messages=[{"role": "user", "content": QUESTION}]) as s:
+        msg = s.get_final_message()
+    assert re.fullmatch("[a-z]{3}", msg.content[0].text) and msg.stop_reason == "end_turn"
+
+
 def test_anthropic_errors_are_the_sdks_types(server, claude, model):
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model=model, max_tokens=0, messages=[
