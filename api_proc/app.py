@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from api_proc import dashboard
 from api_proc.boundary import BadRequest, BodyLimits, JSONResponse, error_response, read_json
+from api_proc.embeddings import EmbeddingsHandler
 from api_proc.guard import Guard, own_origins, parse_origins
 from api_proc.metrics import LOG_INTERVAL, metrics, throughput_line
 from api_proc.native import GenerateHandler
@@ -30,7 +31,7 @@ from api_proc.openai_api import OpenAIHandler
 from api_proc.state import Dispatcher
 from api_proc.tokenize_routes import TokenizeHandler
 from wire import VERSION
-from wire.messages import GenerateRequest, SchedulerLoad
+from wire.messages import GenerateRequest, SchedulerLoad, VectorRequest, replace
 from wire.sampling import SamplingParams
 from wire.server_args import ServerConfig
 
@@ -49,7 +50,7 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
     async def model_info(_: Request) -> Response:
         return JSONResponse({"model_path": config.model_path,
                              "tokenizer_path": config.tokenizer_path,
-                             "is_generation": True,
+                             "is_generation": not args.is_embedding,
                              "architecture": config.model.architecture,
                              "has_image_understanding": config.model.image_token_id is not None})
 
@@ -134,11 +135,15 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
         return JSONResponse({"message": reply.message})
 
     async def health_generate(_: Request) -> Response:
-        """One greedy token for token id 0 through tokenizer, scheduler and detokenizer."""
+        """One greedy token for token id 0 through tokenizer, scheduler and detokenizer
+        (under --is-embedding, the embedding of token id 0)."""
         if dispatcher.lost:
             return error_response(f"Server unhealthy: {dispatcher.lost}", 503)
         probe = GenerateRequest(rid=f"health-{uuid.uuid4().hex}", text=None, input_ids=[0],
                                 sampling=SamplingParams(max_new_tokens=1, temperature=0.0))
+        if args.is_embedding:
+            probe = replace(probe, sampling=SamplingParams(max_new_tokens=0),
+                            vector=VectorRequest("last"))
         try:
             (state,) = dispatcher.submit([probe])
         except Exception as e:      # e.g. the queue is full
@@ -184,6 +189,7 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/flush_cache", flush_cache, methods=["POST"]),
         *OpenAIHandler(config, dispatcher).routes(),
+        *EmbeddingsHandler(config, dispatcher).routes(),
         *dashboard.routes(),
         *TokenizeHandler(config).routes(),
     ]
