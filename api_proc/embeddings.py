@@ -219,10 +219,14 @@ def parse_rerank(body: Any, model_id: str) -> RerankBody:
                       instruct or RERANK_INSTRUCT)
 
 
-def _vector(out: TextOutput) -> np.ndarray:
+def _vector(out: TextOutput, finite: bool = True) -> np.ndarray:
+    """A finished request's vector; an embedding must be finite (JSON has no NaN)."""
     if out.vector is None:
         raise BadRequest("Internal error: a finished request brought no vector.", 500)
-    return np.frombuffer(out.vector, dtype="<f4")
+    v = np.frombuffer(out.vector, dtype="<f4")
+    if finite and not np.isfinite(v).all():
+        raise BadRequest("Internal error: the model's hidden states are not finite.", 500)
+    return v
 
 
 # ---- the routes ---------------------------------------------------------------------------------
@@ -265,7 +269,7 @@ class EmbeddingsHandler:
                               "read the model's next-token distribution.")
         outs = await self._run(request, prompts,
                                [VectorRequest("labels", label_ids)] * len(prompts), route)
-        return [_vector(o) for o in outs], sum(o.prompt_tokens for o in outs)
+        return [_vector(o, finite=False) for o in outs], sum(o.prompt_tokens for o in outs)
 
     async def _run(self, request: Request, prompts: list[str | list[int]],
                    vectors: list[VectorRequest], route: str) -> list[TextOutput]:
