@@ -77,6 +77,19 @@ def test_pooling_config_absent_unsupported_or_newer(tmp_path):
         sentence_transformers_pooling(_st_dir(b, {"pooling_mode_max_tokens": True}))
 
 
+def test_server_resolves_the_default_pooling(tiny_model, tmp_path):
+    from launch import resolve_args
+    from wire.server_args import ServerArgs
+    model = tmp_path / "st"
+    model.mkdir()
+    for f in tiny_model("llama").iterdir():             # the checkpoint, plus an ST config
+        (model / f.name).symlink_to(f)
+    assert resolve_args(ServerArgs(model_path=str(model))).pooling == "last"
+    _st_dir(model, {"pooling_mode_mean_tokens": True})
+    assert resolve_args(ServerArgs(model_path=str(model))).pooling == "mean"
+    assert resolve_args(ServerArgs(model_path=str(model), pooling="cls")).pooling == "cls"
+
+
 def test_embeddings_body():
     assert parse_embeddings({"input": "a"}, MODEL).inputs == ["a"]
     body = parse_embeddings({"input": [[1, 2], [3]], "model": "default",
