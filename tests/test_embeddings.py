@@ -25,6 +25,8 @@ from api_proc.openai_api import OpenAIError
 from scheduler_proc.request import Req
 from tests.reference import _load
 from tests.server import serving, wait_idle
+from tests.test_scheduler_unit import (VOCAB, FakeRunner, assert_pool_idle, finishes, make,
+                                       request, run_until_idle)
 from wire.messages import MAX_LABEL_IDS, TokenizedRequest, VectorRequest
 from wire.model_path import StartupError, sentence_transformers_pooling
 from wire.sampling import SamplingParams
@@ -187,6 +189,61 @@ def test_mean_pooling_sums_across_chunks_and_restarts_after_a_retraction():
         max_new_tokens=0), vector=VectorRequest("last")))
     assert last.max_prefix_match == 9 and last.vector_positions(0, 8) == (0, 0)
     assert last.vector_positions(8, 10) == (9, 10)
+
+
+class PoolingRunner(FakeRunner):
+    """test_scheduler_unit's FakeRunner, pooling as the real runner does: position p's
+    "hidden state" is [its token, 1]."""
+
+    def _forward(self, segments, req_to_token):
+        out = super()._forward(segments, req_to_token)
+        for seg in segments:
+            req = seg.req
+            lo, hi = req.vector_positions(seg.start, seg.start + seg.length)
+            if lo < hi and req.vector.pooling != "labels":
+                req.pool(torch.tensor([[float(t), 1.0] for t in req.token_ids(lo, hi)]), lo)
+        return out
+
+
+def test_scheduler_pools_across_chunks_and_mean_skips_the_cache():
+    s, batches, _ = make(chunked_prefill_size=4)
+    s.runner = PoolingRunner()
+    ids = list(range(1, 12))
+    run_until_idle(s, [request("gen", ids, max_new_tokens=1)])        # caches the prompt
+    vec = {p: request(p, ids, max_new_tokens=0) for p in ("mean", "last", "cls")}
+    for p, msg in vec.items():
+        msg.vector = VectorRequest(p)
+    run_until_idle(s, list(vec.values()))
+    out = {o.rid: o for b in batches for o in b.outputs if o.finish is not None}
+    want = {"mean": [np.mean(ids), 1.0], "last": [ids[-1], 1.0], "cls": [ids[0], 1.0]}
+    for p, w in want.items():
+        assert out[p].finish.type == "length" and out[p].new_ids == []
+        w = np.array(w, dtype=np.float32) / np.linalg.norm(w)
+        assert np.allclose(np.frombuffer(out[p].vector, dtype="<f4"), w, atol=1e-6), p
+    assert out["mean"].cached_tokens == out["cls"].cached_tokens == 0
+    assert out["last"].cached_tokens == len(ids) - 1 and out["gen"].vector is None
+    assert_pool_idle(s)
+
+
+@pytest.mark.parametrize("vector, max_new, is_embedding, fragment", [
+    (VectorRequest("mean"), 3, False, "prefill-only"),
+    (VectorRequest("max"), 0, False, "pooling must be"),
+    (VectorRequest("labels", [VOCAB]), 0, False, "outside the vocabulary"),
+    (VectorRequest("labels", []), 0, False, "label_token_ids must hold"),
+    (None, 3, True, "--is-embedding"),
+    (VectorRequest("labels", [1]), 0, True, "--is-embedding")])
+def test_forged_or_refused_vector_requests_are_400(vector, max_new, is_embedding, fragment):
+    s, batches, _ = make(is_embedding=is_embedding)
+    msg = request("r", max_new_tokens=max_new)
+    msg.vector = vector
+    s.step([msg])
+    assert fragment in finishes(batches)["r"].message
+    assert finishes(batches)["r"].status_code == 400 and s.idle
+    ok = request("ok", max_new_tokens=0)
+    ok.vector = VectorRequest("last")
+    run_until_idle(s, [ok])                         # and an embedding is served after
+    assert finishes(batches)["ok"].type == "length"
+    assert_pool_idle(s)
 
 
 # ---- end to end --------------------------------------------------------------------------------
