@@ -44,8 +44,7 @@ from api_proc.boundary import BadRequest, JSONResponse, read_json
 from api_proc.openai_api import OpenAIError, _check_model, error_response
 from api_proc.pipeline import Pipeline, settle
 from api_proc.state import Dispatcher, SubmitError
-from wire.messages import (MAX_LABEL_IDS, POOLING_MODES, GenerateRequest, TextOutput,
-                           VectorRequest)
+from wire.messages import POOLING_MODES, GenerateRequest, TextOutput, VectorRequest
 from wire.sampling import SamplingParams
 from wire.server_args import ServerConfig
 
@@ -67,7 +66,7 @@ def rerank_prompt(query: str, document: str, instruct: str = RERANK_INSTRUCT
             f"{document}\nAnswer:")
 
 
-# ---- bodies (pure: every check a client's JSON needs) -----------------------------------------
+# ---- bodies (pure: every check a client's JSON needs) ----------------------------------
 
 def _is_ids(x: Any) -> bool:
     return isinstance(x, list) and len(x) > 0 and all(type(t) is int for t in x)
@@ -229,7 +228,7 @@ def _vector(out: TextOutput, finite: bool = True) -> np.ndarray:
     return v
 
 
-# ---- the routes ---------------------------------------------------------------------------------
+# ---- the routes ---------------------------------------------------------------------------
 
 class EmbeddingsHandler:
     def __init__(self, config: ServerConfig, dispatcher: Dispatcher):

@@ -8,9 +8,10 @@ scheduler's own terminal output for that rid arrives, its outputs are dropped.
 Each output is checked against what the detokenizer knows before it is decoded: token ids
 inside the vocabulary, logprob lists of matching lengths, decode params within the API's
 limits, a vector (an embedding or a score: wire/messages.py VectorRequest) of whole float32
-values on a terminal output. An output that fails (or whose decoding fails) ends its own request the same way a
-stop string does, with a status-500 abort instead of a stop, and the rest of the batch goes
-on; an output for an unknown rid without decode params is dropped. Both are counted.
+values and on a terminal output only. An output that fails (or whose decoding fails) ends
+its own request the same way a stop string does, with a status-500 abort instead of a
+stop, and the rest of the batch goes on; an output for an unknown rid without decode params
+is dropped. Both are counted.
 
 Routing (--api-server-count N): a rid's outputs go to the API process named in its
 DecodeParams (`api`); every API process gets every batch's load, with or without outputs

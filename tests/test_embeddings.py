@@ -51,7 +51,8 @@ ATOL = 2e-5
 # ---- pure logic ---------------------------------------------------------------------------
 
 def _st_dir(tmp_path, config: dict, path: str | None = None):
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": path or "1_Pooling",
                 "type": "sentence_transformers.models.Pooling"}]
     (tmp_path / "modules.json").write_text(json.dumps(modules))
@@ -246,7 +247,7 @@ def test_forged_or_refused_vector_requests_are_400(vector, max_new, is_embedding
     assert_pool_idle(s)
 
 
-# ---- end to end --------------------------------------------------------------------------------
+# ---- end to end ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_model):
