@@ -1,9 +1,12 @@
-"""Embeddings, score and rerank (api_proc/embeddings.py): the pure parts in process (the
-sentence-transformers pooling config, the bodies, base64, the scores, Req's pooling across
-chunks), then end to end on one server of the tiny llama checkpoint with 16-token prefill
-chunks, against transformers' hidden states and logits; and a small second server, two
-tensor-parallel ranks under --is-embedding, for the refusals and for embeddings under
-tensor parallelism."""
+"""Embeddings, score and rerank (api_proc/embeddings.py).
+
+In process: the sentence-transformers pooling config and its resolution at startup, the
+bodies, base64, the scores, Req's pooling across chunks, the Scheduler's refusals and
+pooling (test_scheduler_unit's fake runner), and every pooling and labels on two
+tensor-parallel ranks (threads) against one rank. End to end: one server of the tiny llama
+checkpoint with 16-token prefill chunks, against transformers' hidden states and logits,
+with the openai SDK and raw HTTP; and a small second server under --is-embedding for its
+refusals."""
 
 from __future__ import annotations
 
@@ -247,6 +250,55 @@ def test_forged_or_refused_vector_requests_are_400(vector, max_new, is_embedding
     assert_pool_idle(s)
 
 
+def vectors_served(runner, args, context: int) -> dict[str, np.ndarray]:
+    """The real Scheduler on `runner` (rank 0 of its group), for vector requests of every
+    pooling (prefilled in 8-token chunks, mixed with a generation), until idle."""
+    from scheduler_proc.kv_manager import KVManager
+    from scheduler_proc.scheduler import Scheduler
+    kv = KVManager(pool_size=runner.pool_size, max_running=args.max_running_requests,
+                   context_len=context, device=runner.device, use_cache=True)
+    runner.share_table(kv.req_to_token)
+    batches = []
+    s = Scheduler(args, runner, kv, batches.append, lambda reply: None)
+    ids = list(range(40, 70))
+    msgs = [TokenizedRequest(rid="gen", input_ids=ids[:12], sampling=SamplingParams(
+        max_new_tokens=5, temperature=0.0))]
+    for rid, vector in [("mean", VectorRequest("mean")), ("last", VectorRequest("last")),
+                        ("cls", VectorRequest("cls")), ("labels", VectorRequest("labels",
+                                                                                [3, 9, 41]))]:
+        msgs.append(TokenizedRequest(rid=rid, input_ids=ids, vector=vector,
+                                     sampling=SamplingParams(max_new_tokens=0)))
+    run_until_idle(s, msgs)
+    runner.stop_followers()
+    assert kv.pool.num_free + kv.evictable == kv.pool.size
+    return {o.rid: np.frombuffer(o.vector, dtype="<f4") for b in batches for o in b.outputs
+            if o.finish is not None and o.vector is not None}
+
+
+def test_vectors_on_two_tensor_parallel_ranks_equal_one_rank(tiny_model):
+    """Rank 0 pools the whole hidden rows alone; label logits are gathered over the ranks."""
+    from launch import resolve_args
+    from models.distributed import ThreadGroup
+    from scheduler_proc import tp_worker
+    from scheduler_proc.runner import ModelRunner
+    from tests.test_tp_plan import Watchdog
+    from wire.server_args import ServerArgs
+    args = ServerArgs(model_path=str(tiny_model("llama")), max_total_tokens=600,
+                      chunked_prefill_size=8, max_running_requests=4)
+    config = resolve_args(args)
+    want = vectors_served(ModelRunner(config), args, config.context_length)
+    assert want.keys() == {"mean", "last", "cls", "labels"}
+
+    def rank(g):
+        runner = ModelRunner(config, tp=g)
+        if g.rank == 0:
+            return vectors_served(runner, args, config.context_length)
+        tp_worker.follow(runner, Watchdog())
+    got = ThreadGroup.run(2, rank)[0]
+    for rid, v in want.items():
+        assert np.allclose(got[rid], v, atol=1e-5), rid
+
+
 # ---- end to end ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -406,10 +458,11 @@ def test_bad_bodies_are_400s_and_the_pool_is_whole_after(server, model_dir):
 
 
 @pytest.mark.e2e
-def test_is_embedding_under_tensor_parallelism(model_dir, tmp_path_factory, tok):
-    """Two ranks: rank 0 pools alone (the rows are whole on each rank); the generation and
-    score routes refuse; /model_info says so; /health_generate still answers."""
-    with serving(model_dir, "--is-embedding", "--tp-size", "2", "--pooling", "mean",
+def test_is_embedding_serves_embeddings_only(model_dir, tmp_path_factory, tok):
+    """--is-embedding (with --pooling mean): embeddings as transformers gives them; the
+    generation and score routes refuse naming the flag; /model_info says so;
+    /health_generate still answers."""
+    with serving(model_dir, "--is-embedding", "--pooling", "mean",
                  tmpdir=tmp_path_factory.mktemp("embed-tp")) as s:
         out = embeddings(s, input=[LONG, "zebra"])
         for item, text in zip(out["data"], [LONG, "zebra"]):
