@@ -45,7 +45,8 @@ from wire.addresses import Addresses, worker_title
 from wire import VERSION, node_link
 from wire.messages import ApiControl, NodeBye, NodeHello, NodeReply
 from wire.model_path import (SIDECAR_FILE, StartupError, describe_source, gguf_sidecar_dir,
-                             model_facts, model_fingerprint, resolve_model_path)
+                             model_facts, model_fingerprint, resolve_model_path,
+                             sentence_transformers_pooling)
 from wire.proc import read_ready
 from wire.cpu import runs_avx2_kernels, widest_isa
 from wire.server_args import (ServerArgs, ServerConfig, concrete_dtype, quantization_refusal,
@@ -94,12 +95,14 @@ def resolve_args(args: ServerArgs) -> ServerConfig:
                            f"{facts.num_attention_heads} attention heads to split")
     quantization = resolve_quantization(args, is_gguf)
     dtype = concrete_dtype(args.dtype, args.device)
+    pooling = args.pooling or sentence_transformers_pooling(path) or "last"
     return ServerConfig(args, model_path=path, tokenizer_path=args.tokenizer_path or path,
                         served_model_name=name or path, context_length=context,
                         dtype=dtype, model=facts, model_source=source,
                         quantization=quantization,
                         kv_cache_dtype=(dtype if args.kv_cache_dtype == "auto"
-                                        else args.kv_cache_dtype))
+                                        else args.kv_cache_dtype),
+                        pooling=pooling)
 
 
 def resolve_quantization(args: ServerArgs, is_gguf: bool) -> str:

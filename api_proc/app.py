@@ -25,6 +25,7 @@ from api_proc import dashboard
 from api_proc.anthropic import AnthropicHandler
 from api_proc.boundary import BadRequest, BodyLimits, JSONResponse, error_response, read_json
 from api_proc.chat import ChatCore
+from api_proc.embeddings import EmbeddingsHandler
 from api_proc.guard import Guard, own_origins, parse_origins
 from api_proc.metrics import LOG_INTERVAL, metrics, throughput_line
 from api_proc.native import GenerateHandler
@@ -34,7 +35,7 @@ from api_proc.responses import ResponsesHandler
 from api_proc.state import Dispatcher
 from api_proc.tokenize_routes import TokenizeHandler
 from wire import VERSION
-from wire.messages import GenerateRequest, SchedulerLoad
+from wire.messages import GenerateRequest, SchedulerLoad, VectorRequest, replace
 from wire.sampling import SamplingParams
 from wire.server_args import ServerConfig
 
@@ -53,7 +54,7 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
     async def model_info(_: Request) -> Response:
         return JSONResponse({"model_path": config.model_path,
                              "tokenizer_path": config.tokenizer_path,
-                             "is_generation": True,
+                             "is_generation": not args.is_embedding,
                              "architecture": config.model.architecture,
                              "has_image_understanding": config.model.image_token_id is not None})
 
@@ -138,11 +139,15 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
         return JSONResponse({"message": reply.message})
 
     async def health_generate(_: Request) -> Response:
-        """One greedy token for token id 0 through tokenizer, scheduler and detokenizer."""
+        """One greedy token for token id 0 through tokenizer, scheduler and detokenizer
+        (under --is-embedding, the embedding of token id 0)."""
         if dispatcher.lost:
             return error_response(f"Server unhealthy: {dispatcher.lost}", 503)
         probe = GenerateRequest(rid=f"health-{uuid.uuid4().hex}", text=None, input_ids=[0],
                                 sampling=SamplingParams(max_new_tokens=1, temperature=0.0))
+        if args.is_embedding:
+            probe = replace(probe, sampling=SamplingParams(max_new_tokens=0),
+                            vector=VectorRequest("last"))
         try:
             (state,) = dispatcher.submit([probe])
         except Exception as e:      # e.g. the queue is full
@@ -174,6 +179,7 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
 
     tokenizer = TokenizeHandler(config)
     core = ChatCore(config, dispatcher, tokenizer.count)
+    embeddings = EmbeddingsHandler(config, dispatcher)
     routes = [
         Route("/generate", GenerateHandler(dispatcher, args.incremental_streaming_output,
                                            not args.disable_radix_cache,
@@ -192,7 +198,8 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
         *OpenAIHandler(config, dispatcher, core).routes(),
         *AnthropicHandler(core, args.send_timeout).routes(),
         *ResponsesHandler(core, args.send_timeout).routes(),
-        *OllamaHandler(core, args.send_timeout).routes(),
+        *OllamaHandler(core, embeddings, args.send_timeout).routes(),
+        *embeddings.routes(),
         *dashboard.routes(),
         *tokenizer.routes(),
     ]

@@ -1,5 +1,5 @@
 """The Ollama dialect: GET /api/tags, /api/ps, /api/version; POST /api/show, /api/chat,
-/api/generate (and /api/embed, /api/embeddings once embeddings are served).
+/api/generate, /api/embed and the older /api/embeddings.
 
 /api/chat and /api/generate are translated to the chat core's form (api_proc/chat.py) and
 answered as Ollama does: NDJSON lines by default (`{"model", "created_at", "message" |
@@ -24,6 +24,10 @@ Translation (what is taken, what is refused):
 - /api/generate: `prompt` and `system` rendered with the chat template (as Ollama renders
   its template); `raw`, `template`, `suffix` and `context` are refused. An empty prompt
   (or empty messages on /api/chat) is Ollama's "load" request: `done_reason: "load"`.
+- /api/embed (`input`: a string or a list of strings) and /api/embeddings (`prompt`) answer
+  the served model's embeddings (api_proc/embeddings.py: --pooling, L2-normalized, the
+  older route's too); an input longer than the context is a 400 (`truncate` is not done),
+  `dimensions` is refused.
 - `keep_alive` is accepted and ignored.
 """
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -41,6 +46,7 @@ from starlette.routing import Route
 
 from api_proc.boundary import BadRequest, JSONResponse, dumps, read_json
 from api_proc.chat import ChatCore, OpenAIError, ParsedOpenAI, call_arguments, pieces, reply
+from api_proc.embeddings import MAX_INPUTS, EmbeddingsHandler
 from api_proc.state import RequestState, SubmitError
 from api_proc.streaming import SSEResponse
 
@@ -142,8 +148,9 @@ def generate_body(body: dict, model: str | None) -> dict:
 # ---- the routes -------------------------------------------------------------------------------
 
 class OllamaHandler:
-    def __init__(self, core: ChatCore, send_timeout: float):
+    def __init__(self, core: ChatCore, embeddings: EmbeddingsHandler, send_timeout: float):
         self.core = core
+        self.embeddings = embeddings
         self.send_timeout = send_timeout
         config = core.config
         self.name = f"{core.model_id}:latest"
@@ -164,7 +171,9 @@ class OllamaHandler:
                 Route("/api/version", self.version, methods=["GET"]),
                 Route("/api/show", self.show, methods=["POST"]),
                 Route("/api/chat", self.chat, methods=["POST"]),
-                Route("/api/generate", self.generate, methods=["POST"])]
+                Route("/api/generate", self.generate, methods=["POST"]),
+                Route("/api/embed", self.embed, methods=["POST"]),
+                Route("/api/embeddings", self.embed, methods=["POST"])]
 
     def _model(self, body: Any) -> str:
         """The served model's id for the name a client sent (404 for any other)."""
@@ -207,6 +216,34 @@ class OllamaHandler:
             "model_info": {"general.architecture": arch,
                            f"{arch}.context_length": config.context_length},
             "capabilities": capabilities})
+
+    async def embed(self, request: Request) -> Response:
+        """/api/embed {"input": text or texts} -> {"embeddings"}; the older /api/embeddings
+        {"prompt": text} -> {"embedding"}."""
+        legacy = request.url.path.endswith("/embeddings")
+        started = time.monotonic()
+        try:
+            body = await read_json(request)
+            self._model(body)
+            inputs = body.get("prompt" if legacy else "input")
+            if isinstance(inputs, str):
+                inputs = [inputs]
+            if not isinstance(inputs, list) or not 0 < len(inputs) <= MAX_INPUTS or \
+                    not all(isinstance(x, str) and x for x in inputs):
+                raise BadRequest(("prompt must be a non-empty string." if legacy else
+                                  f"input must be a non-empty string or a list of 1 to "
+                                  f"{MAX_INPUTS} non-empty strings."))
+            if body.get("dimensions") is not None:
+                raise BadRequest("dimensions is not supported: the embeddings have the "
+                                 "model's hidden size.")
+            vectors, tokens = await self.embeddings.embed(request, inputs, "ollama_embed")
+        except BadRequest as e:
+            return error_response(str(e), e.status)
+        if legacy:
+            return JSONResponse({"embedding": vectors[0]})
+        return JSONResponse({"model": self.name, "embeddings": vectors,
+                             "total_duration": int((time.monotonic() - started) * NS),
+                             "load_duration": 0, "prompt_eval_count": tokens})
 
     async def chat(self, request: Request) -> Response:
         return await self._handle(request, chat=True)

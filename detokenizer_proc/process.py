@@ -7,9 +7,11 @@ scheduler's own terminal output for that rid arrives, its outputs are dropped.
 
 Each output is checked against what the detokenizer knows before it is decoded: token ids
 inside the vocabulary, logprob lists of matching lengths, decode params within the API's
-limits. An output that fails (or whose decoding fails) ends its own request the same way a
-stop string does, with a status-500 abort instead of a stop, and the rest of the batch goes
-on; an output for an unknown rid without decode params is dropped. Both are counted.
+limits, a vector (an embedding or a score: wire/messages.py VectorRequest) of whole float32
+values and on a terminal output only. An output that fails (or whose decoding fails) ends
+its own request the same way a stop string does, with a status-500 abort instead of a
+stop, and the rest of the batch goes on; an output for an unknown rid without decode params
+is dropped. Both are counted.
 
 Routing (--api-server-count N): a rid's outputs go to the API process named in its
 DecodeParams (`api`); every API process gets every batch's load, with or without outputs
@@ -173,6 +175,10 @@ class Detokenizer:
         self._check_ids(o.new_ids, "new_ids")
         self._check_logprobs(o.logprobs, "logprobs")
         self._check_logprobs(o.input_logprobs, "input_logprobs")
+        if o.vector is not None and (o.finish is None or len(o.vector) % 4):
+            raise OutputError(f"a vector of {len(o.vector)} bytes on a "
+                              f"{'terminal' if o.finish else 'running'} output (float32 "
+                              f"values, on the terminal output only)")
         if o.finish is not None and o.finish.type not in FINISH_TYPES:
             raise OutputError(f"unknown finish type {o.finish.type!r}")
         for name in ("queue_time", "prefill_time", "decode_time"):
@@ -202,7 +208,8 @@ class Detokenizer:
                           cached_tokens=o.cached_tokens, queue_time=o.queue_time,
                           logprobs=self._with_texts(o.logprobs, len(used)),
                           input_logprobs=self._with_texts(o.input_logprobs, None),
-                          prefill_time=o.prefill_time, decode_time=o.decode_time)
+                          prefill_time=o.prefill_time, decode_time=o.decode_time,
+                          vector=o.vector)
 
     def _with_texts(self, lp: Logprobs | None, keep: int | None) -> Logprobs | None:
         """Trim to the ids actually used and add each token's own text (SGLang decodes

@@ -8,7 +8,8 @@ import torch
 
 from scheduler_proc.images import image_key
 from scheduler_proc.sampler import seeded_generator
-from wire.messages import DecodeParams, FinishReason, LogprobRequest, Logprobs, TokenizedRequest
+from wire.messages import (DecodeParams, FinishReason, LogprobRequest, Logprobs,
+                           TokenizedRequest, VectorRequest)
 from wire.sampling import SamplingParams
 
 
@@ -20,7 +21,8 @@ class Req:
                  "prefix_node", "prefix_len", "cached_tokens", "arrived_at", "queue_time",
                  "finish", "announced", "decode_sent", "first_token_at", "generator", "logprob", "input_logprobs",
                  "pending_logprobs", "held_ids", "grammar", "grammar_future", "images",
-                 "image_positions", "key_prompt", "rope_pos", "rope_delta", "image_rope")
+                 "image_positions", "key_prompt", "rope_pos", "rope_delta", "image_rope",
+                 "vector", "pooled")
 
     def __init__(self, msg: TokenizedRequest, device: torch.device | str = "cpu",
                  image_token_id: int | None = None):
@@ -74,6 +76,10 @@ class Req:
         self.pending_logprobs: Logprobs | None = None   # of the token sampled this step
         self.input_logprobs = Logprobs()
         self.reset_input_logprobs()
+        # A VectorRequest (an embedding or a score): what the runner has read off the
+        # prompt so far (`pool`; for "labels", the label logprobs: runner._scorer).
+        self.vector: VectorRequest | None = msg.vector
+        self.pooled: torch.Tensor | None = None
 
     # ---- logprobs -------------------------------------------------------------------------
 
@@ -98,11 +104,53 @@ class Req:
 
     @property
     def max_prefix_match(self) -> int:
-        """Cached positions must not cover positions whose logits are still needed."""
+        """Cached positions must not cover positions whose logits or hidden states are
+        still needed: mean and cls pooling read position 0 onwards, so they take no cached
+        prefix (last pooling and labels read the last position, always computed)."""
         limit = self.seq_len - 1              # at least one position is always computed
         if self.wants_input_logprobs and not self.announced:
             limit = min(limit, max(self.logprob.start_len - 1, 0))
+        if self.vector is not None and self.vector.pooling in ("mean", "cls"):
+            limit = 0
         return limit
+
+    # ---- vector requests (embeddings, scores) ---------------------------------------------
+
+    def vector_positions(self, start: int, end: int) -> tuple[int, int]:
+        """Of positions start..end-1 computed this step, those this request's vector reads
+        (lo, hi): every prompt position for mean pooling, else position 0 (cls) or the
+        last prompt position (last, labels) where it is among them."""
+        if self.vector is None:
+            return 0, 0
+        n = len(self.input_ids)
+        if self.vector.pooling == "mean":
+            return start, min(end, n)
+        p = 0 if self.vector.pooling == "cls" else n - 1
+        return (p, p + 1) if start <= p < end else (0, 0)
+
+    def pool(self, rows: torch.Tensor, start: int) -> None:
+        """Take the final-normed hidden states [k, hidden] of positions start..start+k-1 (as
+        vector_positions gave them). Mean pooling sums them: a request that pools by mean
+        computes every position from 0 (max_prefix_match), in order, so a sum restarts at
+        position 0, also after a retraction."""
+        if self.vector.pooling == "mean":
+            total = rows.float().sum(dim=0)
+            self.pooled = total if start == 0 or self.pooled is None else self.pooled + total
+        else:
+            self.pooled = rows[0].float()
+
+    def vector_bytes(self) -> bytes | None:
+        """The answer of a vector request whose prompt is computed, as TokenOutput.vector
+        carries it (float32, little-endian): the pooled state L2-normalized (the mean
+        divided by the prompt's length first), or the label logprobs as they are."""
+        if self.vector is None or self.pooled is None:
+            return None
+        v = self.pooled.detach().float().cpu()
+        if self.vector.pooling == "mean":
+            v = v / len(self.input_ids)
+        if self.vector.pooling != "labels":
+            v = torch.nn.functional.normalize(v, p=2.0, dim=0)
+        return v.numpy().astype("<f4").tobytes()
 
     @property
     def output_can_wait(self) -> bool:

@@ -12,6 +12,13 @@ token ids, positions, slots, the attention layout, which rows get logits), and
 `execute(plan, table)` runs it: StepAttention.build, the model, one compute_logits per
 input-logprob range, then one for the sampled rows, always in that order.
 
+Vector requests (wire/messages.py VectorRequest: embeddings and scores) read their answer
+off the same step. A score's label logprobs come from its last position's logits: a score
+range like an input-logprob one, computed on every rank. An embedding pools the final
+hidden states after the model's final norm (Req.pool); those rows are whole on every rank
+(the layers end in all-reduces), so rank 0 pools them alone and the plan does not change:
+embeddings work under tensor parallelism as on one rank.
+
 Tensor parallelism (`tp`, models/distributed.py, size T > 1): every rank holds a shard of the
 model (models/tp.py) and a KV cache of its own kv heads, and every rank runs `execute` on
 the same plan, so all ranks make the same collectives with the same shapes in the same
@@ -49,7 +56,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import psutil
@@ -74,6 +81,25 @@ CPU_KV_MEMORY_FRACTION = 0.1    # of total RAM, for the default --max-total-toke
 ONEDNN_CACHE_CAPACITY = 128     # oneDNN kernels kept per cache (module docstring); >= 1:
                                 # ideep crashes with LRU_CACHE_CAPACITY=0
 ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+class Scored(NamedTuple):
+    """A score range's request: input logprobs of positions lo..hi-1, or (labels) the
+    label logprobs of its last position."""
+
+    req: Req
+    lo: int
+    hi: int
+    labels: bool
+
+
+class Pooled(NamedTuple):
+    """Hidden rows row..row+n-1 of a step, a vector request's positions start..start+n-1."""
+
+    req: Req
+    row: int
+    n: int
+    start: int
 
 
 @dataclass(slots=True)
@@ -195,28 +221,31 @@ class ModelRunner:
         already be in each req.slots and in row req.row of `req_to_token` (KVManager's
         request table, on the runner's device). Logprobs, when requested, are appended to
         req.pending_logprobs / req.input_logprobs."""
-        plan, scored = self.plan(segments)
+        plan, scored, pooled = self.plan(segments)
         embeds = self.images.step_embeds(segments) if self.images is not None else None
+        capture = self._pooler(pooled) if pooled else None
         if self.tp.size == 1:
-            logits = self.execute(plan, req_to_token, self._scorer(scored), embeds)
+            logits = self.execute(plan, req_to_token, self._scorer(scored), embeds, capture)
         else:
-            logits = self._execute_shared(plan, req_to_token, scored, embeds)
+            logits = self._execute_shared(plan, req_to_token, scored, embeds, capture)
         if logits is None:
             return []
         return sample_isolated(logits, [s.req for s in segments if s.sample], self.eos_ids)
 
     @staticmethod
-    def plan(segments: list[Segment]) -> tuple[StepPlan, list[tuple[Req, int, int]]]:
-        """The step's StepPlan (its table_writes still empty), and for each of its score
-        ranges (in order) the request and the positions lo..hi-1 whose logits score its
-        prompt tokens lo+1..hi. Reads only the segments."""
+    def plan(segments: list[Segment]) -> tuple[StepPlan, list[Scored], list[Pooled]]:
+        """The step's StepPlan (its table_writes still empty); for each of its score ranges
+        (in order) the request and the positions lo..hi-1 whose logits score its prompt
+        tokens lo+1..hi, or (labels) its last position's logits give its label logprobs;
+        and the hidden rows vector requests pool. Reads only the segments."""
         ids: list[int] = []
         positions: list[int] = []
         out_slots: list[int] = []
         decode_rows, decode_lens, prefills = [], [], []
         sample_rows: list[int] = []
         score_ranges: list[list[int]] = []
-        scored: list[tuple[Req, int, int]] = []
+        scored: list[Scored] = []
+        pooled: list[Pooled] = []
         for seg in segments:
             req, end = seg.req, seg.start + seg.length
             first_row = len(ids)
@@ -233,22 +262,31 @@ class ModelRunner:
             lo, hi = req.input_logprob_positions(seg.start, end)
             if lo < hi:
                 score_ranges.append([first_row + lo - seg.start, hi - lo])
-                scored.append((req, lo, hi))
+                scored.append(Scored(req, lo, hi, labels=False))
+            lo, hi = req.vector_positions(seg.start, end)
+            if lo < hi and req.vector.pooling == "labels":     # logits: every rank's call
+                score_ranges.append([first_row + lo - seg.start, 1])
+                scored.append(Scored(req, lo, hi, labels=True))
+            elif lo < hi:                                      # hidden rows: rank 0 alone
+                pooled.append(Pooled(req, first_row + lo - seg.start, hi - lo, lo))
         plan = StepPlan(ids=ids, positions=positions, out_slots=out_slots,
                         decode_rows=decode_rows, decode_lens=decode_lens, prefills=prefills,
                         table_writes=[], score_ranges=score_ranges, sample_rows=sample_rows)
-        return plan, scored
+        return plan, scored, pooled
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, req_to_token: torch.Tensor,
                 score: Callable[[int, torch.Tensor], None] | None = None,
-                embeds: tuple | None = None
+                embeds: tuple | None = None,
+                capture: Callable[[torch.Tensor], None] | None = None
                 ) -> torch.Tensor | None:
         """Run a plan: the model over its tokens (the rows in `embeds` taking an image
-        encoder's output: CausalLM.forward), then the logits of each score range
-        (handed to score(i, logits) on rank 0) and of the sampled rows, returned (None
-        where there are none, and on the followers). The same calls in the same order on
-        every rank: each one may be a collective."""
+        encoder's output: CausalLM.forward), handed whole to capture(hidden) on rank 0
+        (vector requests pool rows of it: no collective, the rows are whole on every
+        rank), then the logits of each score range (handed to score(i, logits) on rank 0)
+        and of the sampled rows, returned (None where there are none, and on the
+        followers). The same calls in the same order on every rank: each one may be a
+        collective."""
         attn = StepAttention.build(self.cache, req_to_token, plan.out_slots, plan.decode_rows,
                                    plan.decode_lens, plan.prefills, self.device,
                                    self.decode_kernel, self.model.attention_layers)
@@ -259,6 +297,8 @@ class ModelRunner:
                                 torch.tensor(plan.positions, dtype=torch.int64,
                                              device=self.device),
                                 attn, embeds)
+            if capture is not None:
+                capture(hidden)
             for i, (row, n) in enumerate(plan.score_ranges):
                 logits = self.model.compute_logits(hidden[row:row + n])
                 if score is not None:
@@ -267,25 +307,39 @@ class ModelRunner:
                 return None
             return self.model.compute_logits(hidden[plan.sample_rows])
 
-    def _scorer(self, scored: list[tuple[Req, int, int]]) -> Callable[[int, torch.Tensor], None]:
+    def _scorer(self, scored: list[Scored]) -> Callable[[int, torch.Tensor], None]:
         """score(i, logits) for execute: input logprobs of the i-th score range, where row j's
-        logits score the prompt token that follows it."""
+        logits score the prompt token that follows it; or a labels request's label
+        logprobs, from its last position's logits."""
         def score(i: int, logits: torch.Tensor) -> None:
-            req, lo, hi = scored[i]
+            req, lo, hi, labels = scored[i]
+            if labels:
+                logp = torch.log_softmax(logits[0].float(), dim=-1)
+                req.pooled = logp[torch.tensor(req.vector.label_ids, device=logp.device)]
+                return
             lp = token_logprobs(logits, req.token_ids(lo + 1, hi + 1),
                                 req.logprob.top_logprobs_num)
             req.input_logprobs.extend(lp)
         return score
 
+    def _pooler(self, pooled: list[Pooled]) -> Callable[[torch.Tensor], None]:
+        """capture(hidden) for execute: each vector request's rows after the model's final
+        norm (what compute_logits applies), handed to Req.pool."""
+        def capture(hidden: torch.Tensor) -> None:
+            for req, row, n, start in pooled:
+                req.pool(self.model.norm(hidden[row:row + n]), start)
+        return capture
+
     def _execute_shared(self, plan: StepPlan, req_to_token: torch.Tensor,
-                        scored: list[tuple[Req, int, int]],
-                        embeds: tuple | None = None
+                        scored: list[Scored],
+                        embeds: tuple | None = None,
+                        capture: Callable[[torch.Tensor], None] | None = None
                         ) -> torch.Tensor | None:
         """Rank 0 under tensor parallelism: broadcast the plan (with the table writes since
         the last one, and the image rows rank 0's encoder made), execute it with the
-        followers. A failure inside is a TPFault (fatal); one in rank 0's own scoring is
-        kept until every collective of the step is done, then raised as on one rank (it
-        ends the step's requests)."""
+        followers. A failure inside is a TPFault (fatal); one in rank 0's own scoring or
+        pooling is kept until every collective of the step is done, then raised as on one
+        rank (it ends the step's requests)."""
         if self.table_log is None:
             raise RuntimeError("tensor-parallel rank 0 runs a step before share_table")
         plan.table_writes = list(self.table_log)
@@ -303,9 +357,16 @@ class ModelRunner:
                     scorer(i, logits)
                 except Exception as e:          # noqa: BLE001 - raised after the step
                     score_error.append(e)
+
+        def pool(hidden: torch.Tensor) -> None:
+            try:
+                capture(hidden)
+            except Exception as e:              # noqa: BLE001 - raised after the step
+                score_error.append(e)
         try:
             self.tp.broadcast_bytes(encode(plan))
-            logits = self.execute(plan, req_to_token, score, embeds)
+            logits = self.execute(plan, req_to_token, score, embeds,
+                                  None if capture is None else pool)
         except Exception as e:
             raise TPFault(f"tensor-parallel step failed on rank 0: {e!r}") from e
         if score_error:

@@ -44,6 +44,14 @@ Overload (--max-queued-requests N): of the requests that arrived with a step's m
 those still waiting after the step's admission while more than N wait are ended with an
 abort, status 503, newest first. Requests retracted to the queue are never dropped.
 
+Vector requests (embeddings and scores: wire/messages.py VectorRequest) are prefill-only,
+like the n > 1 warm-ups: batched with everything else, they read their answer off their
+prompt's steps (runner.py) and end once the prompt is computed, the answer on their
+terminal output. Their KV goes to the prefix cache like any finished request's (evictable:
+nothing stays held). Mean and cls pooling take no cached prefix, since they read position 0
+onwards (Req.max_prefix_match). With --is-embedding only embeddings are accepted; any other
+request is refused with a 400.
+
 Test only: the environment variable ZSERVE_TEST_STALL_AFTER_STEPS=N makes the scheduler
 sleep forever inside its (N+1)-th model step, to test the watchdog (process.py). Never set
 it outside tests.
@@ -244,6 +252,16 @@ class Scheduler:
             return f"logprob_start_len must be at least -1, got {lp.start_len}."
         if s.grammar is not None and self.grammars is None:
             return "Constrained decoding (json_schema, regex, ebnf) is not available here."
+        if (v := msg.vector) is not None:
+            if (problem := v.problem(vocab)) is not None:
+                return problem
+            if s.max_new_tokens != 0:
+                return "An embedding or score request is prefill-only (max_new_tokens 0)."
+            if msg.images:
+                return "Embeddings and scores of prompts with images are not supported."
+        if self.args.is_embedding and (msg.vector is None or msg.vector.pooling == "labels"):
+            return ("This server serves embeddings only (--is-embedding): use "
+                    "/v1/embeddings.")
         if msg.images:
             images = getattr(self.runner, "images", None)
             if images is None:
@@ -529,7 +547,9 @@ class Scheduler:
             decode=None if req.decode_sent else req.decode_params(),
             logprobs=req.pending_logprobs if new_ids else None,
             input_logprobs=req.input_logprobs if first and req.wants_input_logprobs else None,
-            prefill_time=prefill_time, decode_time=decode_time))
+            prefill_time=prefill_time, decode_time=decode_time,
+            vector=req.vector_bytes() if finish is not None and finish.type == "length"
+            else None))
         req.pending_logprobs = None
         req.announced = req.decode_sent = True
 

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from tests.server import serving, wait_idle
+from tests.test_embeddings import ATOL
 
 pytestmark = pytest.mark.e2e
 
@@ -286,12 +287,27 @@ def test_ollama_errors(lama, model):
     assert e.value.status_code == 400
 
 
+def test_ollama_embed_is_the_embeddings_route(server, lama, oai, model):
+    texts = [QUESTION, "Another text"]
+    got = lama.embed(model=f"{model}:latest", input=texts)
+    want = oai.embeddings.create(model=model, input=texts)
+    assert len(got.embeddings) == 2 and got.prompt_eval_count == want.usage.prompt_tokens
+    # The same vectors up to float32 summation order: the second request of a prompt may be
+    # computed past a cached prefix, in other row groupings (test_embeddings.py ATOL argues
+    # the bound for unit vectors).
+    for ours, theirs in zip(got.embeddings, want.data):
+        assert ours == pytest.approx(theirs.embedding, abs=ATOL)
+    legacy = httpx.post(server.url + "/api/embeddings", headers=server.headers,
+                        json={"model": model, "prompt": QUESTION}).json()
+    assert legacy["embedding"] == pytest.approx(got.embeddings[0], abs=ATOL)
+
+
 def test_every_dialect_has_its_route_in_metrics(server, lama, claude, oai, model):
     """Runs after the tests above (file order): each dialect's requests are counted under
     its own route label."""
     text = httpx.get(server.url + "/metrics", headers=server.headers).text
     for route in ("chat_completions", "messages", "responses", "ollama_chat",
-                  "ollama_generate"):
+                  "ollama_generate", "ollama_embed", "embeddings"):
         assert re.search(rf'zserve:requests_total{{[^}}]*route="{route}"[^}}]*}} [1-9]',
                          text), route
     assert httpx.get(server.url + "/api/tags").status_code == 401      # behind --api-key

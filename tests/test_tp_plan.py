@@ -136,7 +136,7 @@ class MirrorCheck:
         self.steps = 0
 
     def __call__(self, segments, table):
-        plan, _ = ModelRunner.plan(segments)
+        plan = ModelRunner.plan(segments)[0]
         plan.table_writes, self.real.log[:] = list(self.real.log), []
         plan = decode(encode(plan), TP_FOLLOWER)
         for w in plan.table_writes:

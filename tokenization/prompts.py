@@ -242,6 +242,12 @@ class Tokenizer:
             if lp.start_len < -1:
                 raise RequestError(f"logprob_start_len must be an integer >= -1, got "
                                    f"{lp.start_len}.")
+        if req.vector is not None:
+            problem = req.vector.problem(self.vocab_size)
+            if problem is None and s.max_new_tokens != 0:
+                problem = "An embedding or score request is prefill-only (max_new_tokens 0)."
+            if problem is not None:
+                raise RequestError(problem)
 
     def _too_long(self, n: int | None) -> RequestError:
         count = f"more than {self.context_len}" if n is None else str(n)
@@ -320,7 +326,7 @@ class Tokenizer:
                 f"the completion to fit within the limit.")
         return TokenizedRequest(rid=req.rid, input_ids=ids, sampling=s, stream=req.stream,
                                 logprob=req.logprob, fit_context=req.fit_context,
-                                api=req.api, images=images)
+                                api=req.api, images=images, vector=req.vector)
 
     def add_images(self, ids: list[int], sources: list[str]
                    ) -> tuple[list[int], list[ImageFeatures]]:

@@ -113,6 +113,42 @@ class Logprobs(WireStruct):
         self.top_texts += other.top_texts
 
 
+POOLING_MODES = ("last", "mean", "cls")     # how an embedding pools the prompt's hidden states
+MAX_LABEL_IDS = 1024                         # label tokens one score request may ask for
+
+
+class VectorRequest(WireStruct):
+    """A prefill-only request (max_new_tokens 0) whose answer is one float32 vector read off
+    its prompt instead of tokens (TokenOutput.vector, on its terminal output):
+    - pooling "last" | "mean" | "cls": an embedding, the prompt's final hidden states (after
+      the model's final norm) at its last position, averaged over every position, or at
+      position 0; L2-normalized;
+    - pooling "labels": a score, the log-probabilities of `label_ids` (in that order) as the
+      token that follows the prompt (the full vocabulary's log-softmax at its last position).
+    """
+
+    pooling: str
+    label_ids: list[int] = field(default_factory=list)
+
+    def problem(self, vocab_size: int) -> str | None:
+        """Why this cannot run on a model with this vocabulary (a client-facing message), or
+        None. Every process that receives one asks."""
+        if self.pooling == "labels":
+            if not 1 <= len(self.label_ids) <= MAX_LABEL_IDS:
+                return (f"label_token_ids must hold 1 to {MAX_LABEL_IDS} token ids, got "
+                        f"{len(self.label_ids)}.")
+            bad = next((t for t in self.label_ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                return (f"Label token id {bad} is outside the vocabulary [0, {vocab_size}).")
+            return None
+        if self.pooling not in POOLING_MODES:
+            return (f"pooling must be one of {', '.join(POOLING_MODES)} or labels, got "
+                    f"{self.pooling!r}.")
+        if self.label_ids:
+            return "label_ids are for pooling labels only."
+        return None
+
+
 # ---- api -> tokenizer ---------------------------------------------------------------------
 
 # chat_template_kwargs may not set these: the template's own variables
@@ -140,6 +176,7 @@ class GenerateRequest(WireStruct, tag=1):
     # The prompt's images, in the order of its placeholders: each as the client gave it
     # (base64, a data: URI, a path or a URL); the tokenizer loads and checks them.
     image_data: list[str] | None = None
+    vector: VectorRequest | None = None     # an embedding or a score, not tokens
 
 
 # ---- api -> tokenizer -> scheduler ---------------------------------------------------------
@@ -189,6 +226,7 @@ class TokenizedRequest(WireStruct, tag=3):
                                 # what the KV pool can hold (chat without max_tokens)
     api: int = 0                # GenerateRequest.api, carried on
     images: list[ImageFeatures] | None = None   # in prompt order; None: a text prompt
+    vector: VectorRequest | None = None         # GenerateRequest.vector, carried on
 
 
 # ---- detokenizer -> scheduler --------------------------------------------------------------
@@ -226,6 +264,8 @@ class TokenOutput(WireStruct):
     # first token sampled, and from there to the end (None where there was no such span).
     prefill_time: float | None = None
     decode_time: float | None = None
+    # A VectorRequest's answer, on its terminal output: float32 values, little-endian.
+    vector: bytes | None = None
 
 
 class SchedulerLoad(WireStruct):
@@ -348,6 +388,7 @@ class TextOutput(WireStruct):
     input_logprobs: Logprobs | None = None
     prefill_time: float | None = None   # TokenOutput's, on the terminal output
     decode_time: float | None = None
+    vector: bytes | None = None         # TokenOutput's, on the terminal output
 
 
 class TextBatch(WireStruct, tag=6):

@@ -317,3 +317,45 @@ def model_fingerprint(path: str) -> str:
     for w in weights:
         digest.update(f"\0{w.name}\0{w.stat().st_size}".encode())
     return digest.hexdigest()[:16]
+
+
+# sentence-transformers' Pooling config keys, by the --pooling mode each one is; the other
+# modes it knows (max, mean_sqrt_len, weightedmean) zserve does not compute.
+ST_POOLING_KEYS = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
+                   "pooling_mode_cls_token": "cls"}
+ST_POOLING_MODULE = "sentence_transformers.models.Pooling"
+
+
+def sentence_transformers_pooling(model_dir: str) -> str | None:
+    """The pooling a sentence-transformers model directory declares (modules.json names a
+    Pooling module; its config.json, by default in 1_Pooling/, says which mode): "last",
+    "mean" or "cls", or None where the directory has no such config. StartupError where it
+    names a mode zserve does not compute, or more than one, or cannot be read: pass
+    --pooling then."""
+    modules_file = Path(model_dir) / "modules.json"
+    if not modules_file.is_file():
+        return None
+    try:
+        modules = json.loads(modules_file.read_text())
+        entry = next((m for m in modules if isinstance(m, dict)
+                      and m.get("type") == ST_POOLING_MODULE), None)
+        if entry is None:
+            return None
+        config_file = Path(model_dir) / str(entry.get("path") or "1_Pooling") / "config.json"
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError, TypeError) as e:
+        raise StartupError(f"{modules_file}: the sentence-transformers pooling config cannot "
+                           f"be read ({e}); pass --pooling last|mean|cls") from None
+    if not isinstance(config, dict):
+        raise StartupError(f"{config_file}: not a JSON object; pass --pooling last|mean|cls")
+    if isinstance(config.get("pooling_mode"), str):     # newer sentence-transformers
+        named = {"lasttoken": "last", "mean": "mean", "cls": "cls"}.get(config["pooling_mode"])
+        modes = [named] if named else [config["pooling_mode"]]
+    else:
+        modes = [mode for key, mode in ST_POOLING_KEYS.items() if config.get(key) is True]
+        modes += [k for k, v in config.items() if k.startswith("pooling_mode_")
+                  and k not in ST_POOLING_KEYS and v is True]
+    if len(modes) != 1 or modes[0] not in ST_POOLING_KEYS.values():
+        raise StartupError(f"{config_file} asks for pooling {', '.join(modes) or 'none'}; "
+                           f"zserve pools by one of last, mean or cls: pass --pooling")
+    return modes[0]

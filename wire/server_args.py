@@ -148,6 +148,14 @@ class ServerArgs:
     reasoning_parser: str | None = _opt(None, "Split a thinking model's <think>...</think> "
                                         "into reasoning_content on /v1/chat/completions.",
                                         choices=["qwen3", "deepseek-r1"])
+    pooling: str | None = _opt(None, "How /v1/embeddings pools the prompt's final hidden "
+                               "states (after the final norm): the last token's, the mean "
+                               "over the tokens, or the first (cls) token's; L2-normalized. "
+                               "Default: the model directory's sentence-transformers "
+                               "config (modules.json, 1_Pooling/config.json), else last.",
+                               choices=["last", "mean", "cls"])
+    is_embedding: bool = _opt(False, "Serve the model for embeddings only (/v1/embeddings): "
+                              "generation and scoring routes answer 400 (SGLang's flag).")
     # ---- scaling (README: "Scaling") ----
     tokenizer_worker_num: int = _opt(1, "Tokenizer processes; the API's requests are spread "
                                      "over them round-robin.")
@@ -333,6 +341,8 @@ class ServerConfig:
     model_source: str          # how the user named the model, for the banner
     quantization: str = "none"  # none, gguf or int8: never "auto"
     kv_cache_dtype: str = ""    # float32, bfloat16, float16 or int8; "" means `dtype`
+    pooling: str = "last"       # /v1/embeddings' default pooling: --pooling, else the
+                                # model's sentence-transformers config, else last
 
     @property
     def kv_dtype(self) -> str:
@@ -351,6 +361,7 @@ class ServerConfig:
                 "served_model_name": self.served_model_name,
                 "context_length": self.context_length, "dtype": self.dtype,
                 "quantization": self.quantization, "kv_cache_dtype": self.kv_dtype,
+                "pooling": self.pooling,
                 "model_source": self.model_source, "num_params": self.model.num_params,
                 "vocab_size": self.model.vocab_size, "architecture": self.model.architecture,
                 "random_weights": self.model.random_weights}
