@@ -118,6 +118,11 @@ def check_model(body: dict, model_id: str) -> None:
         raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
 
 
+def is_ids(x: Any) -> bool:
+    """A non-empty list of token ids (ints; their range is the tokenizer's to check)."""
+    return isinstance(x, list) and len(x) > 0 and all(type(t) is int for t in x)
+
+
 def bool_field(body: dict, key: str) -> bool:
     value = body.get(key)
     if value is None:

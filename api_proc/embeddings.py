@@ -41,7 +41,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from api_proc.boundary import BadRequest, JSONResponse, read_json
-from api_proc.chat import OpenAIError, check_model
+from api_proc.chat import OpenAIError, bool_field, check_model, is_ids
 from api_proc.openai_api import error_response
 from api_proc.pipeline import Pipeline, settle
 from api_proc.state import Dispatcher, SubmitError
@@ -68,19 +68,6 @@ def rerank_prompt(query: str, document: str, instruct: str = RERANK_INSTRUCT
 
 
 # ---- bodies (pure: every check a client's JSON needs) ----------------------------------
-
-def _is_ids(x: Any) -> bool:
-    return isinstance(x, list) and len(x) > 0 and all(type(t) is int for t in x)
-
-
-def _bool(body: dict, key: str, default: bool) -> bool:
-    value = body.get(key)
-    if value is None:
-        return default
-    if type(value) is not bool:
-        raise OpenAIError(f"{key} must be a boolean.", param=key)
-    return value
-
 
 def _object(body: Any, model_id: str) -> dict:
     if not isinstance(body, dict):
@@ -116,10 +103,10 @@ def parse_embeddings(body: Any, model_id: str) -> EmbeddingsBody:
 def embedding_inputs(raw: Any) -> list[str | list[int]]:
     """OpenAI's `input`: a string, a list of strings, a list of token ids, or a list of such
     lists -> the inputs, one prompt each."""
-    if isinstance(raw, str) or _is_ids(raw):
+    if isinstance(raw, str) or is_ids(raw):
         return [raw]
     if isinstance(raw, list) and raw and (all(isinstance(x, str) for x in raw)
-                                          or all(_is_ids(x) for x in raw)):
+                                          or all(is_ids(x) for x in raw)):
         if len(raw) > MAX_INPUTS:
             raise OpenAIError(f"input holds {len(raw)} inputs, more than the limit of "
                               f"{MAX_INPUTS}.", param="input")
@@ -148,7 +135,7 @@ def parse_score(body: Any, model_id: str, vocab_size: int) -> ScoreBody:
     query, items = body.get("query"), body.get("items")
     if isinstance(items, str):
         items = [items]
-    if not isinstance(query, str) and not _is_ids(query):
+    if not isinstance(query, str) and not is_ids(query):
         raise OpenAIError("query must be a string or a non-empty list of token ids.",
                           param="query")
     if not isinstance(items, list) or not items:
@@ -158,20 +145,20 @@ def parse_score(body: Any, model_id: str, vocab_size: int) -> ScoreBody:
         raise OpenAIError(f"items holds {len(items)} items, more than the limit of "
                           f"{MAX_ITEMS}.", param="items")
     text = isinstance(query, str)
-    if not all(isinstance(x, str) if text else _is_ids(x) for x in items):
+    if not all(isinstance(x, str) if text else is_ids(x) for x in items):
         raise OpenAIError("query and items must both be text or both token ids (each item a "
                           "non-empty list of token ids).", param="items")
     labels = body.get("label_token_ids")
-    if not _is_ids(labels):
+    if not is_ids(labels):
         raise OpenAIError("label_token_ids must be a non-empty list of token ids.",
                           param="label_token_ids")
     problem = VectorRequest("labels", labels).problem(vocab_size)
     if problem is not None:
         raise OpenAIError(problem.replace("label_ids", "label_token_ids"),
                           param="label_token_ids")
-    item_first = _bool(body, "item_first", False)
+    item_first = bool_field(body, "item_first")
     prompts = [item + query if item_first else query + item for item in items]
-    return ScoreBody(prompts, list(labels), _bool(body, "apply_softmax", False))
+    return ScoreBody(prompts, list(labels), bool_field(body, "apply_softmax"))
 
 
 def label_scores(logprobs: np.ndarray, apply_softmax: bool) -> list[float]:
@@ -215,7 +202,7 @@ def parse_rerank(body: Any, model_id: str) -> RerankBody:
     instruct = body.get("instruct")
     if instruct is not None and not isinstance(instruct, str):
         raise OpenAIError("instruct must be a string.", param="instruct")
-    return RerankBody(query, docs, top_n, _bool(body, "return_documents", False),
+    return RerankBody(query, docs, top_n, bool_field(body, "return_documents"),
                       instruct or RERANK_INSTRUCT)
 
 

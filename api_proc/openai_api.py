@@ -41,7 +41,7 @@ from starlette.routing import Route
 
 from api_proc.boundary import BadRequest, JSONResponse, read_json
 from api_proc.chat import (ChatCore, Deltas, OpenAIError, ParsedOpenAI, bool_field,
-                           check_model, finish_reason, logprobs_num, matched_stop,
+                           check_model, is_ids, finish_reason, logprobs_num, matched_stop,
                            parse_chat, reject_unsupported, reply, sampling_params,
                            stream_options)
 from api_proc.pipeline import Prompt, expand, settle
@@ -73,20 +73,16 @@ def error_response(message: str, status: int = 400, param: str | None = None) ->
     return JSONResponse(error_json(message, status, param), status_code=status)
 
 
-def _is_ids(x: Any) -> bool:
-    return isinstance(x, list) and len(x) > 0 and all(type(t) is int for t in x)
-
-
 def _prompts(body: dict) -> list[str | list[int]]:
     prompt = body.get("prompt")
     if prompt is None:
         raise OpenAIError("prompt is required.", param="prompt")
     if isinstance(prompt, str):
         return [prompt]
-    if _is_ids(prompt):
+    if is_ids(prompt):
         return [prompt]
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt) or all(_is_ids(p) for p in prompt):
+        if all(isinstance(p, str) for p in prompt) or all(is_ids(p) for p in prompt):
             return list(prompt)
     raise OpenAIError("prompt must be a string, a non-empty list of strings, a non-empty "
                       "list of token ids, or a non-empty list of such lists.", param="prompt")

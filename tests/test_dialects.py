@@ -18,17 +18,12 @@ import openai
 import pytest
 
 from tests.server import serving, wait_idle
+from tests.test_chat_extras import TEMPLATE    # tools, and an enable_thinking switch
 from tests.test_embeddings import ATOL
 
 pytestmark = pytest.mark.e2e
 
 KEY = "dialect-key"
-TEMPLATE = ("{% if tools %}Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}\n"
-            "{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}"
-            "{% if m.tool_calls %} calls {{ m.tool_calls[0].function.name }}{% endif %}"
-            "{% if m.tool_call_id %} answers {{ m.tool_call_id }}{% endif %}\n{% endfor %}"
-            "{% if enable_thinking is defined and not enable_thinking %}(no thinking)\n"
-            "{% endif %}assistant:")
 TIME_SCHEMA = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
                "required": ["zone"]}
 QUESTION = "What time is it?"
