@@ -33,6 +33,7 @@ from tests.server import wait_idle
 pytestmark = pytest.mark.e2e
 
 POST_EXAMPLES = 500
+DIALECT_EXAMPLES = 100
 GET_EXAMPLES = 60
 MODEL = "$MODEL"       # replaced by the served model id when a body is sent
 TIMEOUT = 30.0         # seconds; an answer slower than this for <= 4 tokens is a hang
@@ -104,7 +105,7 @@ SAMPLING = {"temperature": temperature, "top_p": unit, "top_k": top_k, "min_p": 
 # -- garbage: any JSON, but for the fields that bound the work nothing that would mean a
 # long generation (null: the default, up to the context's end; a number in 5..context)
 LENGTH_KEYS = {"max_new_tokens", "min_new_tokens", "max_tokens", "max_completion_tokens",
-               "min_tokens", "n", "best_of"}
+               "min_tokens", "n", "best_of", "max_output_tokens", "num_predict"}
 bad_lengths = st.one_of(st.sampled_from([-1, -4, 10 ** 6, 10 ** 30, 2 ** 63, 4.5, 0.5, 3.0,
                                          1e300, math.nan, math.inf, -math.inf]),
                         st.booleans(), texts, st.lists(scalars, max_size=3),
@@ -173,6 +174,48 @@ chat_bodies = near_valid({"messages": st.lists(message, min_size=1, max_size=3),
 
 abort_bodies = near_valid({}, {"rid": prompt_text, "abort_all": st.booleans()})
 
+# The other dialects (api_proc/anthropic.py, responses.py, ollama.py, embeddings.py)
+block = st.fixed_dictionaries({"type": st.just("text"), "text": prompt_text})
+anthropic_bodies = near_valid({"model": st.just(MODEL), "max_tokens": short, "messages": st.lists(
+    st.fixed_dictionaries({"role": st.just("user"), "content": st.one_of(
+        prompt_text, st.lists(block, min_size=1, max_size=2))}), min_size=1, max_size=2)}, {
+    "system": st.one_of(prompt_text, st.lists(block, max_size=2)), "stream": st.booleans(),
+    "temperature": temperature, "top_p": unit, "top_k": top_k, "stop_sequences": st.lists(
+        st.text(min_size=1, max_size=4), max_size=2), "metadata": st.just({"user_id": "u"}),
+    "thinking": st.just({"type": "disabled"}), "tool_choice": st.just({"type": "none"})})
+responses_bodies = near_valid({"input": st.one_of(prompt_text, st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer"]),
+                           "content": prompt_text}), min_size=1, max_size=2)),
+    "max_output_tokens": st.integers(1, 4)}, {
+    "model": st.just(MODEL), "instructions": prompt_text, "stream": st.booleans(),
+    "temperature": temperature, "top_p": unit, "store": st.booleans(),
+    "text": st.just({"format": {"type": "text"}}), "reasoning": st.just({})})
+ollama_options = near_valid({"num_predict": st.integers(0, 4)}, {
+    "temperature": temperature, "top_p": unit, "top_k": top_k, "seed": seed,
+    "stop": st.lists(st.text(min_size=1, max_size=4), max_size=2),
+    "repeat_penalty": rep_penalty})
+ollama_chat_bodies = near_valid({"model": st.just(MODEL), "options": ollama_options,
+                                 "messages": st.lists(message, min_size=1, max_size=2)}, {
+    "stream": st.booleans(), "format": st.sampled_from(["", "json"]), "think": st.booleans(),
+    "keep_alive": st.just("5m")})
+ollama_generate_bodies = near_valid({"model": st.just(MODEL), "options": ollama_options,
+                                     "prompt": prompt_text}, {
+    "system": prompt_text, "stream": st.booleans(), "format": st.sampled_from(["", "json"])})
+ollama_embed_bodies = near_valid({"model": st.just(MODEL), "input": st.one_of(
+    prompt_text, st.lists(prompt_text, min_size=1, max_size=3))}, {"truncate": st.booleans()})
+inputs = st.one_of(prompt_text, st.lists(prompt_text, min_size=1, max_size=3), ids,
+                   st.lists(ids, min_size=1, max_size=2))
+embeddings_bodies = near_valid({"input": inputs}, {
+    "model": st.just(MODEL), "encoding_format": st.sampled_from(["float", "base64"]),
+    "pooling": st.sampled_from(["last", "mean", "cls"])})
+score_bodies = near_valid({"query": prompt_text, "items": st.lists(prompt_text, min_size=1,
+                                                                   max_size=3),
+                           "label_token_ids": st.lists(token_id, min_size=1, max_size=3)}, {
+    "model": st.just(MODEL), "apply_softmax": st.booleans(), "item_first": st.booleans()})
+rerank_bodies = near_valid({"query": prompt_text, "documents": st.lists(
+    prompt_text, min_size=1, max_size=3)}, {"model": st.just(MODEL), "top_n": st.integers(
+        0, 4), "return_documents": st.booleans()})
+
 
 def shorten(path: str, body):
     """Whatever a body's other fields, a prompt it carries asks for at most 4 tokens (a
@@ -186,6 +229,16 @@ def shorten(path: str, body):
         for d in (sp if isinstance(sp, list) else [sp]):
             if isinstance(d, dict) and d.get("max_new_tokens") is None:
                 d["max_new_tokens"] = 4
+    elif path == "/v1/responses":
+        if body.get("max_output_tokens") is None:
+            body["max_output_tokens"] = 4
+    elif path.startswith("/api/"):
+        options = body.get("options")
+        if options is None:
+            options = body["options"] = {}
+        if isinstance(options, dict) and (not isinstance(options.get("num_predict"), int) or
+                                          options["num_predict"] < 0):
+            options["num_predict"] = 4
     elif path.startswith("/v1/") and ("prompt" in body or "messages" in body):
         for key in ("max_tokens", "max_completion_tokens"):
             if key in body and body[key] is None:
@@ -237,9 +290,10 @@ class Fuzz:
                            f"{body[-160:]!r}")
         if r.status_code >= 500:
             self.problem(f"{r.status_code} {body[:120]!r}", method, path, raw)
-        elif r.status_code < 300 and r.headers.get("content-type", "").startswith(
-                "text/event-stream") and not body.rstrip().endswith(b"data: [DONE]"):
-            self.problem(f"stream not ending in [DONE]: ...{body[-80:]!r}", method, path, raw)
+        elif r.status_code < 300 and not stream_complete(path, r.headers.get(
+                "content-type", ""), body):
+            self.problem(f"stream not ended as its dialect ends one: ...{body[-80:]!r}",
+                         method, path, raw)
         elif not 200 <= r.status_code < 500:
             self.problem(f"status {r.status_code}", method, path, raw)
         return r
@@ -275,6 +329,25 @@ class Fuzz:
         assert_healthy_and_idle(self.server)
 
 
+# How each dialect's stream ends (the last frame or line), when it ends well or with an error.
+STREAM_ENDS = {"/v1/messages": (b"event: message_stop", b"event: error"),
+               "/v1/responses": (b"event: response.completed", b"event: response.incomplete",
+                                 b"event: error")}
+
+
+def stream_complete(path: str, content_type: str, body: bytes) -> bool:
+    if content_type.startswith("application/x-ndjson"):         # Ollama's
+        lines = body.strip().split(b"\n")
+        last = json.loads(lines[-1]) if lines and lines[-1] else {}
+        return last.get("done") is True or "error" in last
+    if not content_type.startswith("text/event-stream"):
+        return True
+    frames = [f for f in body.strip().split(b"\n\n") if not f.startswith(b":")]
+    if path not in STREAM_ENDS:
+        return bool(frames) and frames[-1] == b"data: [DONE]"
+    return bool(frames) and frames[-1].startswith(STREAM_ENDS[path])
+
+
 def assert_healthy_and_idle(server) -> None:
     assert server.proc.poll() is None, server.logs()
     assert server.client.get("/health").status_code == 200
@@ -302,6 +375,31 @@ def test_random_bodies_never_get_a_5xx(server, model_id, path):
         fuzz.send("POST", path, *payload)
     example()
     fuzz.check(POST_EXAMPLES)
+    served = sum(n for status, n in fuzz.statuses.items() if status < 300)
+    assert served >= fuzz.count // 10, f"too few valid bodies reached the model: {fuzz.statuses}"
+
+
+DIALECTS = {"/v1/messages": anthropic_bodies, "/v1/responses": responses_bodies,
+            "/api/chat": ollama_chat_bodies, "/api/generate": ollama_generate_bodies,
+            "/v1/embeddings": embeddings_bodies, "/v1/score": score_bodies,
+            "/v1/rerank": rerank_bodies, "/v1/messages/count_tokens": anthropic_bodies,
+            "/v1/responses/input_tokens": responses_bodies, "/api/embed": ollama_embed_bodies,
+            "/api/show": near_valid({"model": st.just(MODEL)}, {"verbose": st.booleans()})}
+
+
+@pytest.mark.parametrize("path", list(DIALECTS))
+def test_the_dialects_random_bodies_never_get_a_5xx(server, model_id, path):
+    """The same harness over the other dialects' routes, with fewer examples a route: their
+    bodies all become the chat core's (or the embeddings') requests, which the routes
+    above fuzz at length."""
+    fuzz = Fuzz(server, model_id)
+
+    @settings(FUZZ, max_examples=DIALECT_EXAMPLES)
+    @given(payloads(path, DIALECTS[path]))
+    def example(payload):
+        fuzz.send("POST", path, *payload)
+    example()
+    fuzz.check(DIALECT_EXAMPLES)
     served = sum(n for status, n in fuzz.statuses.items() if status < 300)
     assert served >= fuzz.count // 10, f"too few valid bodies reached the model: {fuzz.statuses}"
 
