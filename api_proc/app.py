@@ -77,7 +77,19 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
             "rejected_total": load.rejected_total,
             "requests_total": load.requests_total,
             "api_server": dispatcher.index,
-            "replicas": [replica_info(x) for _, x in sorted(dispatcher.loads.items())]})
+            "replicas": [replica_info(x) for _, x in sorted(dispatcher.loads.items())],
+            **speculative_info(load)})
+
+    def speculative_info(load: SchedulerLoad) -> dict:
+        """Where the server speculates: its totals, and SGLang's internal_states entry."""
+        if args.speculative_algorithm is None:
+            return {}
+        verify, accepted = load.spec_verify_total, load.spec_accepted_total
+        length = (accepted + verify) / verify if verify else None
+        return {"speculative": {"verify_steps": verify, "draft_tokens": load.spec_draft_total,
+                                "accepted_tokens": accepted, "accept_length": length,
+                                "accept_length_hist": load.spec_accept_hist},
+                "internal_states": [{"avg_spec_accept_length": length}]}
 
     def replica_info(x: SchedulerLoad) -> dict:
         """One scheduler replica (--dp-size) as /server_info lists it."""

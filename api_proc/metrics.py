@@ -165,6 +165,42 @@ class LoadCollector:
         yield GaugeMetricFamily("zserve:gen_throughput", "Generated tokens per second over "
                                 f"the last {THROUGHPUT_WINDOW:g} s (all replicas).",
                                 value=self.throughput)
+        yield from self.speculative()
+
+    def speculative(self):
+        """Speculative decoding's counters (where the server speculates): drafts verified
+        and kept, and the tokens each verify step kept (SGLang's spec_accept_length is
+        their mean)."""
+        from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                            HistogramMetricFamily)
+        loads = sorted((r, x) for r, x in self.loads.items() if x.spec_accept_hist)
+        if not loads:
+            return
+        drafted = CounterMetricFamily("zserve:spec_draft_tokens", "Draft tokens verified.",
+                                      labels=["dp_rank"])
+        kept = CounterMetricFamily("zserve:spec_accepted_tokens", "Draft tokens kept.",
+                                   labels=["dp_rank"])
+        rate = GaugeMetricFamily("zserve:spec_accept_rate", "Draft tokens kept / verified, "
+                                 "since start.", labels=["dp_rank"])
+        length = GaugeMetricFamily("zserve:spec_accept_length", "Tokens a verify step made "
+                                   "on average (the drafts kept and its own), since "
+                                   "start.", labels=["dp_rank"])
+        hist = HistogramMetricFamily("zserve:spec_verify_step_tokens", "Tokens each verify "
+                                     "step kept.", labels=["dp_rank"])
+        for r, x in loads:
+            verify, accepted = x.spec_verify_total, x.spec_accepted_total
+            drafted.add_metric([str(r)], x.spec_draft_total)
+            kept.add_metric([str(r)], accepted)
+            rate.add_metric([str(r)], accepted / x.spec_draft_total if x.spec_draft_total
+                            else 0.0)
+            length.add_metric([str(r)], (accepted + verify) / verify if verify else 0.0)
+            counts, buckets = 0, []
+            for m, n in enumerate(x.spec_accept_hist):
+                if m:
+                    counts += n
+                    buckets.append((str(m), counts))
+            hist.add_metric([str(r)], buckets + [("+Inf", counts)], accepted + verify)
+        yield from (drafted, kept, rate, length, hist)
 
 
 class Throughput:

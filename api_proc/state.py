@@ -30,9 +30,8 @@ from api_proc.timing import RequestTiming
 from wire.addresses import Addresses
 from wire.messages import (AbortRequest, ApiControl, ControlReply, FinishReason,
                            FlushCacheRequest, PeerAbort, PeerAbortReply,
-                           GenerateRequest, LogprobRequest, Logprobs, SchedulerLoad, TextBatch,
-                           TextOutput,
-                           replace)
+                           GenerateRequest, LogprobRequest, Logprobs, SchedulerLoad, SpecStats,
+                           TextBatch, TextOutput, replace)
 from wire.codec import API_INBOX, encode
 from wire.sockets import AsyncInbox, Outbox
 
@@ -193,6 +192,8 @@ class RequestState:
             meta["prefill_time"] = out.prefill_time
             meta["decode_time"] = out.decode_time
             meta["inter_token_latency"] = self.timing.mean_inter_token_latency
+            if out.spec is not None:
+                meta.update(spec_meta(out.spec))
         return meta
 
 
@@ -505,8 +506,27 @@ class Dispatcher:
                 self._finished(state, out)
 
 
+def spec_meta(spec: SpecStats) -> dict:
+    """A request's speculative decoding in meta_info, by SGLang's names: verify steps, draft
+    tokens and those kept, the share kept, and the tokens a verify step made on average
+    (the kept drafts and each step's own token; None before any verify step)."""
+    return {"spec_verify_ct": spec.verify_ct, "spec_draft_token_num": spec.draft_tokens,
+            "spec_accept_token_num": spec.accepted_tokens,
+            "spec_accept_rate": spec.accepted_tokens / spec.draft_tokens
+            if spec.draft_tokens else None,
+            "spec_accept_length": (spec.accepted_tokens + spec.verify_ct) / spec.verify_ct
+            if spec.verify_ct else None}
+
+
 def total_load(loads: list[SchedulerLoad]) -> SchedulerLoad:
     """The whole server's load: every count summed over the replicas (seq and replica are
     per replica, and meaningless in a sum: 0)."""
     fields = [f for f in SchedulerLoad.__struct_fields__ if f not in ("seq", "replica")]
-    return SchedulerLoad(**{f: sum(getattr(x, f) for x in loads) for f in fields})
+    total = SchedulerLoad(**{f: sum(getattr(x, f) for x in loads)
+                             for f in fields if f != "spec_accept_hist"})
+    hist = [0] * max((len(x.spec_accept_hist) for x in loads), default=0)
+    for x in loads:                             # elementwise
+        for m, n in enumerate(x.spec_accept_hist):
+            hist[m] += n
+    total.spec_accept_hist = hist
+    return total

@@ -179,6 +179,10 @@ class Detokenizer:
             raise OutputError(f"a vector of {len(o.vector)} bytes on a "
                               f"{'terminal' if o.finish else 'running'} output (float32 "
                               f"values, on the terminal output only)")
+        if o.spec is not None and not (0 <= o.spec.verify_ct and
+                                       0 <= o.spec.accepted_tokens <= o.spec.draft_tokens):
+            raise OutputError(f"speculative counts {o.spec}: negative, or more drafts kept "
+                              f"than verified")
         if o.finish is not None and o.finish.type not in FINISH_TYPES:
             raise OutputError(f"unknown finish type {o.finish.type!r}")
         for name in ("queue_time", "prefill_time", "decode_time"):
@@ -209,7 +213,7 @@ class Detokenizer:
                           logprobs=self._with_texts(o.logprobs, len(used)),
                           input_logprobs=self._with_texts(o.input_logprobs, None),
                           prefill_time=o.prefill_time, decode_time=o.decode_time,
-                          vector=o.vector)
+                          vector=o.vector, spec=o.spec)
 
     def _with_texts(self, lp: Logprobs | None, keep: int | None) -> Logprobs | None:
         """Trim to the ids actually used and add each token's own text (SGLang decodes

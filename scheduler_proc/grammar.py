@@ -138,6 +138,21 @@ class Matcher:
         self.limit_error = "" if ok or not is_limit(self.m.get_error()) else self.m.get_error()
         return ok
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar allows from here (nothing consumed)."""
+        try:
+            return self.m.validate_tokens(tokens) if tokens else 0
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:           # noqa: BLE001 - a Rust panic: draft nothing
+            return 0
+
+    def rollback(self, n: int) -> None:
+        """Undo the last n consumed tokens (a speculative step's drafts)."""
+        if n:
+            self.m.rollback(n)
+            self.consumed -= n
+
     def steer(self, remaining: int) -> int | None:
         """The token this request must take now to end its grammar within `remaining`
         tokens (this step's included), or None to sample freely."""

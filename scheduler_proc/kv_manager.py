@@ -64,6 +64,18 @@ class KVManager:
         self.req_to_token.write(req.row, len(req.slots), slots)
         req.slots += slots
 
+    def truncate(self, req: Req, n: int) -> None:
+        """Give back the slots of req's positions n and after (a verify step's rejected
+        drafts: speculative.py); their table entries go back to 0."""
+        if not req.prefix_len <= n <= len(req.slots):
+            raise RuntimeError(f"truncate of {req.rid} to {n} positions outside "
+                               f"[{req.prefix_len}, {len(req.slots)}]")
+        dropped = req.slots[n:]
+        if dropped:
+            self.pool.free(dropped)
+            self.req_to_token.write(req.row, n, [0] * len(dropped))
+            del req.slots[n:]
+
     def release(self, req: Req, valid: int | None = None) -> None:
         """Give back everything req holds. With the cache, its computed tokens are inserted
         into the tree (so a finished or retracted request's KV can be reused) and only the

@@ -22,7 +22,7 @@ class Req:
                  "finish", "announced", "decode_sent", "first_token_at", "generator", "logprob", "input_logprobs",
                  "pending_logprobs", "held_ids", "grammar", "grammar_future", "images",
                  "image_positions", "key_prompt", "rope_pos", "rope_delta", "image_rope",
-                 "vector", "pooled")
+                 "vector", "pooled", "spec")
 
     def __init__(self, msg: TokenizedRequest, device: torch.device | str = "cpu",
                  image_token_id: int | None = None):
@@ -80,6 +80,8 @@ class Req:
         # prompt so far (`pool`; for "labels", the label logprobs: runner._scorer).
         self.vector: VectorRequest | None = msg.vector
         self.pooled: torch.Tensor | None = None
+        # Speculative decoding (speculative.py): its proposer's index and measured acceptance.
+        self.spec = None
 
     # ---- logprobs -------------------------------------------------------------------------
 

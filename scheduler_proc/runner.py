@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -69,6 +69,7 @@ from models import ModelConfig, load_model
 from scheduler_proc.pool import KVCache, ReqToToken
 from scheduler_proc.request import Req
 from scheduler_proc.sampler import constrain, sample_tokens, token_logprobs
+from scheduler_proc.speculative import accepted_run
 from models.distributed import SOLO, TPFault, rank_device
 from models.quant_linear import step_batch
 from wire.codec import encode
@@ -106,12 +107,24 @@ class Pooled(NamedTuple):
 class Segment:
     """`length` tokens of `req`, from position req.num_computed (before this step's slots
     were added: `start`). `sample` is true when the segment ends at the request's newest
-    token, so its last row is sampled."""
+    token, so its last row is sampled. A decoding request's segment may carry `draft`
+    tokens (speculative.py): its newest token and the drafts, length 1 + len(draft), all
+    decode rows, every row sampled."""
 
     req: Req
     start: int
     length: int
     sample: bool
+    draft: list[int] = field(default_factory=list)
+
+    @property
+    def decodes(self) -> bool:
+        """Its rows are decode rows (one token, or a token and its drafts)."""
+        return self.length == 1 or bool(self.draft)
+
+    def token_ids(self) -> list[int]:
+        end = self.start + self.length - len(self.draft)
+        return self.req.token_ids(self.start, end) + self.draft
 
 
 def leaves_device_unknown(exc: BaseException) -> bool:
@@ -230,7 +243,10 @@ class ModelRunner:
             logits = self._execute_shared(plan, req_to_token, scored, embeds, capture)
         if logits is None:
             return []
-        return sample_isolated(logits, [s.req for s in segments if s.sample], self.eos_ids)
+        sampling = [s for s in segments if s.sample]
+        if not any(s.draft for s in sampling):
+            return sample_isolated(logits, [s.req for s in sampling], self.eos_ids)
+        return sample_with_drafts(logits, sampling, self.eos_ids)
 
     @staticmethod
     def plan(segments: list[Segment]) -> tuple[StepPlan, list[Scored], list[Pooled]]:
@@ -249,16 +265,16 @@ class ModelRunner:
         for seg in segments:
             req, end = seg.req, seg.start + seg.length
             first_row = len(ids)
-            ids += req.token_ids(seg.start, end)
+            ids += seg.token_ids()
             positions += req.positions(seg.start, end)
             out_slots += req.slots[seg.start:end]
-            if seg.length == 1:
-                decode_rows.append(req.row)
-                decode_lens.append(end)
+            if seg.decodes:
+                decode_rows += [req.row] * seg.length
+                decode_lens += range(seg.start + 1, end + 1)
             else:
                 prefills.append([req.row, seg.start, seg.length])
             if seg.sample:
-                sample_rows.append(len(ids) - 1)
+                sample_rows += range(len(ids) - 1 - len(seg.draft), len(ids))
             lo, hi = req.input_logprob_positions(seg.start, end)
             if lo < hi:
                 score_ranges.append([first_row + lo - seg.start, hi - lo])
@@ -292,7 +308,7 @@ class ModelRunner:
                                    self.decode_kernel, self.model.attention_layers)
         # The quantized layers' kernel rule counts the step's requests, not its rows
         # (quant_linear.py): a request alone is computed the same way at every length.
-        with step_batch(len(plan.decode_rows) + len(plan.prefills)):
+        with step_batch(len(set(plan.decode_rows)) + len(plan.prefills)):
             hidden = self.model(torch.tensor(plan.ids, dtype=torch.int64, device=self.device),
                                 torch.tensor(plan.positions, dtype=torch.int64,
                                              device=self.device),
@@ -396,6 +412,104 @@ def plan_embeds(plan: StepPlan, device: torch.device, hidden: int
 def _empty_plan(stop: bool = False) -> StepPlan:
     return StepPlan(ids=[], positions=[], out_slots=[], decode_rows=[], decode_lens=[],
                     prefills=[], table_writes=[], score_ranges=[], sample_rows=[], stop=stop)
+
+
+def sample_with_drafts(logits: torch.Tensor, sampling: list[Segment],
+                       eos_ids: list[int]) -> list[int | list[int] | Exception]:
+    """forward's answer for a step where some segments carry drafts: their rows are
+    verified one request at a time (`verify`: a list of the tokens kept, or the exception
+    that stopped it), the other rows sampled together as always."""
+    plain_rows, plain_reqs, at = [], [], 0
+    for seg in sampling:
+        if not seg.draft:
+            plain_rows.append(at)
+            plain_reqs.append(seg.req)
+        at += 1 + len(seg.draft)
+    plain = iter(sample_isolated(logits[plain_rows], plain_reqs, eos_ids)
+                 if plain_rows else [])
+    out: list[int | list[int] | Exception] = []
+    at = 0
+    for seg in sampling:
+        n = 1 + len(seg.draft)
+        out.append(verify(logits[at:at + n], seg.req, seg.draft, eos_ids) if seg.draft
+                   else next(plain))
+        at += n
+    return out
+
+
+def verify(logits: torch.Tensor, req: Req, draft: list[int],
+           eos_ids: list[int]) -> list[int] | Exception:
+    """The tokens a request's verify rows keep (speculative.py's rule): row i sampled as
+    the request's next token after output_ids + draft[:i], up to the first row whose token
+    is not its draft, or one that ends the request (a stop token, its grammar complete).
+    Its logprobs (of those tokens) go to req.pending_logprobs. A failure is returned, not
+    raised (logged): this request's alone, its generator and matcher as they were."""
+    state = None if req.generator is None else req.generator.get_state()
+    try:
+        if _plain_greedy(req):
+            ids = sample_tokens(logits, [req] * len(logits), eos_ids)
+            kept = ids[:accepted_run(draft, ids) + 1]
+            if req.logprob is not None:
+                req.pending_logprobs = token_logprobs(logits[:len(kept)], kept,
+                                                      req.logprob.top_logprobs_num)
+            return kept
+        return _verify_rows(logits, req, draft, eos_ids)
+    except Exception as e:
+        if leaves_device_unknown(e):
+            raise
+        if state is not None:
+            req.generator.set_state(state)
+        log.error("verifying the drafts of request %s failed", req.rid, exc_info=e)
+        return e
+
+
+def _plain_greedy(req: Req) -> bool:
+    """Every row's token is its argmax, whatever came before it: greedy, no penalty, no
+    grammar, no min_new_tokens ban left."""
+    s = req.sampling
+    return (s.is_greedy and req.grammar is None and not s.logit_bias
+            and s.frequency_penalty == 0.0 and s.presence_penalty == 0.0
+            and s.repetition_penalty == 1.0 and len(req.output_ids) >= s.min_new_tokens)
+
+
+def _verify_rows(logits: torch.Tensor, req: Req, draft: list[int],
+                 eos_ids: list[int]) -> list[int]:
+    """verify, one row at a time: the output ids and the matcher advance over each
+    accepted draft for the next row's penalties, bans and mask, and are put back after."""
+    s = req.sampling
+    stops = set(s.stop_token_ids) | (set() if s.ignore_eos else set(eos_ids))
+    n_out, consumed, broken = len(req.output_ids), 0, False
+    kept: list[int] = []
+    logprobs = None
+    try:
+        for i in range(len(draft) + 1):
+            token = _sample(logits[i:i + 1], [req], eos_ids)[0]
+            kept.append(token)
+            if req.logprob is not None:
+                if logprobs is None:
+                    logprobs = req.pending_logprobs
+                else:
+                    logprobs.extend(req.pending_logprobs)
+            if i == len(draft) or token != draft[i] or token in stops:
+                break
+            req.output_ids.append(token)
+            if req.grammar is not None:
+                if not req.grammar.consume(token):
+                    broken = True
+                    break
+                consumed += 1
+                if req.grammar.stopped:
+                    break
+    finally:
+        del req.output_ids[n_out:]
+        if req.grammar is not None:
+            if broken:                      # rebuilt from the output ids
+                req.grammar.consumed = -1
+                req.grammar.sync(req.output_ids)
+            else:
+                req.grammar.rollback(consumed)
+    req.pending_logprobs = logprobs
+    return kept
 
 
 def sample_isolated(logits: torch.Tensor, reqs: list[Req],

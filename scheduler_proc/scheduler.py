@@ -73,9 +73,10 @@ from scheduler_proc.grammar import GrammarError
 from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.request import Req
 from scheduler_proc.runner import Segment, leaves_device_unknown
+from scheduler_proc.speculative import Speculator
 from wire.messages import (MAX_TOP_LOGPROBS, AbortRequest, ControlReply, DecodeParams,
-                           FinishReason, FlushCacheRequest, ReleaseRequest, SchedulerLoad,
-                           TokenBatch, TokenizedRequest, TokenOutput, replace)
+                           FinishReason, FlushCacheRequest, Logprobs, ReleaseRequest,
+                           SchedulerLoad, TokenBatch, TokenizedRequest, TokenOutput, replace)
 from wire.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,8 @@ class Scheduler:
         self.eos_ids = set(runner.config.eos_token_ids)
         self.vocab_size = runner.config.vocab_size
         self.grammars = grammars
+        device = getattr(runner.device, "type", runner.device)
+        self.spec = Speculator.of(args, str(device))      # None without speculation
         self.compiling: list[Req] = []            # waiting for their grammar, in arrival order
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []              # in admission order
@@ -432,7 +435,37 @@ class Scheduler:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
                                        self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         segments.sort(key=lambda s: s.length != 1)   # decode rows first (see attention.py)
+        if self.spec is not None:
+            self.add_drafts(segments)
         return segments
+
+    def add_drafts(self, segments: list[Segment]) -> None:
+        """Give decoding requests draft tokens to verify this step (speculative.py), as
+        many as their measured acceptance pays for at this step's size, within the slots
+        left: a draft never costs another request its place. Drafts end at a stop token
+        (nothing after it is kept) and at what the grammar allows."""
+        rows = sum(seg.length for seg in segments)
+        tokens = float(sum(seg.sample for seg in segments))
+        spare = self.kv.available
+        for seg in segments:
+            req = seg.req
+            if seg.length != 1 or not seg.sample or spare <= 0:
+                continue
+            cap = min(spare, req.sampling.max_new_tokens - len(req.output_ids) - 1)
+            draft = self.spec.propose(req, rows, tokens, cap)
+            for i, token in enumerate(draft):
+                if token in self.eos_ids or token in req.sampling.stop_token_ids:
+                    draft = draft[:i + 1]
+                    break
+            if draft and req.grammar is not None:
+                draft = draft[:req.grammar.valid_prefix(draft)]
+            if draft:
+                self.kv.extend(req, len(draft))
+                seg.length += len(draft)
+                seg.draft = draft
+                spare -= len(draft)
+                rows += len(draft)
+                tokens += self.spec.expected(req, len(draft))
 
     def _segment(self, req: Req, n: int, todo: int) -> Segment:
         """Give req slots for its next n positions. The segment samples when it reaches the
@@ -472,23 +505,41 @@ class Scheduler:
             req = seg.req
             if req.sampling.max_new_tokens == 0 and req.num_computed == req.seq_len:
                 self.finish(req, FinishReason(type="length", length=0))
-        for seg, token in zip([s for s in segments if s.sample], next_ids):
+        for seg, out in zip([s for s in segments if s.sample], next_ids):
             req = seg.req
-            if isinstance(token, Exception):      # logged by the runner
+            if isinstance(out, Exception):        # logged by the runner
                 self.finish(req, FinishReason(
                     type="abort", status_code=500,
                     message=f"Internal error while sampling this request: "
-                            f"{type(token).__name__}: {token}"), valid=seg.start)
+                            f"{type(out).__name__}: {out}"), valid=seg.start)
                 continue
-            self.generated_tokens_total += 1
             if req.first_token_at is None:
                 req.first_token_at = time.monotonic()
-            req.output_ids.append(token)
-            reason = self.advance_grammar(req, token) or self.check_finished(req, token)
+            new_ids: list[int] = []
+            reason = None
+            for token in out if isinstance(out, list) else [out]:
+                req.output_ids.append(token)
+                new_ids.append(token)
+                reason = self.advance_grammar(req, token) or self.check_finished(req, token)
+                if reason is not None:
+                    break
+            self.generated_tokens_total += len(new_ids)
+            if seg.draft:
+                # Positions start.. held the last token and the drafts; those past the
+                # accepted ones are given back before anything caches this request's KV.
+                self.kv.truncate(req, seg.start + len(new_ids))
+                self.spec.record(req, len(seg.draft), len(new_ids) - 1)
+                lp = req.pending_logprobs
+                if lp is not None and len(lp.token_ids) > len(new_ids):
+                    req.pending_logprobs = Logprobs(
+                        token_ids=lp.token_ids[:len(new_ids)],
+                        logprobs=lp.logprobs[:len(new_ids)],
+                        top_ids=lp.top_ids[:len(new_ids)],
+                        top_logprobs=lp.top_logprobs[:len(new_ids)])
             if reason is not None:
-                self.finish(req, reason, new_ids=[token])
+                self.finish(req, reason, new_ids=new_ids)
             else:
-                self.emit(req, [token], None)
+                self.emit(req, new_ids, None)
 
     def fail_step(self, segments: list[Segment], error: Exception) -> None:
         """The model forward raised: end every request of the step with an error. The KV of
@@ -524,6 +575,8 @@ class Scheduler:
             self.compiling.remove(req)            # its compile goes on for the cache
         if self.in_flight.get(req.rid) is req:
             del self.in_flight[req.rid]
+        if self.spec is not None:
+            self.spec.finished(req)
         req.finish = reason
         self.emit(req, new_ids or [], reason)
 
@@ -549,7 +602,8 @@ class Scheduler:
             input_logprobs=req.input_logprobs if first and req.wants_input_logprobs else None,
             prefill_time=prefill_time, decode_time=decode_time,
             vector=req.vector_bytes() if finish is not None and finish.type == "length"
-            else None))
+            else None,
+            spec=None if self.spec is None else self.spec.stats(req)))
         req.pending_logprobs = None
         req.announced = req.decode_sent = True
 
@@ -570,6 +624,8 @@ class Scheduler:
             ok, message = False, "Cache not flushed because there are pending requests."
         else:
             self.kv.flush()
+            if self.spec is not None:
+                self.spec.flush()                 # what finished requests said, too
             ok, message = True, "Cache flushed."
         self.reply(ControlReply(req_id=req_id, ok=ok, message=message, loads=[self.load()],
                                 api=api))
@@ -587,7 +643,13 @@ class Scheduler:
                              rejected_total=self.rejected_total,
                              requests_total=self.requests_total,
                              cached_tokens_total=self.cached_tokens_total,
-                             **self.token_counts())
+                             **self.token_counts(), **self.spec_counts())
+
+    def spec_counts(self) -> dict:
+        if self.spec is None:
+            return {}
+        return {"spec_draft_total": self.spec.drafted_total,
+                "spec_accept_hist": list(self.spec.accept_lengths)}
 
     def token_counts(self) -> dict[str, int]:
         """The queued and running requests' tokens, for a data-parallel controller that

@@ -11,6 +11,7 @@ Without a CUDA GPU (or with a CPU-only torch build) they are skipped, saying why
   in bfloat16, as tests/test_bfloat16_e2e.py argues), prompts decoded in one batch;
   cumulative streaming ends at the unary output; seeded sampling repeats itself;
   structured outputs (a JSON schema, a regex) hold, greedy and sampled.
+- The same served checks with n-gram speculative decoding (float32).
 - --tp-size 2 over two GPUs (NCCL), where the machine has them: float32 and bfloat16
   greedy ids equal transformers' on CUDA up to the first near-tie, as on one GPU.
 """
@@ -127,13 +128,18 @@ def test_bfloat16_on_cuda_as_close_as_transformers(tiny_model, family):
 # Served
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "float32-ngram"])
 def server(request, tiny_model, tmp_path_factory):
+    """float32-ngram: n-gram speculative decoding, drafting whenever it can (a request
+    asked again drafts its earlier answer from the server's n-gram store): the same
+    checks hold."""
     model_dir = tiny_model("llama")
-    dtype = ["--dtype", "float32"] if request.param == "float32" else []   # auto: bfloat16
-    with serving(model_dir, "--device", "cuda", *dtype,
-                 tmpdir=tmp_path_factory.mktemp("srv")) as s:
-        s.model_dir, s.dtype = model_dir, request.param
+    dtype = [] if request.param == "bfloat16" else ["--dtype", "float32"]  # auto: bfloat16
+    spec = ["--speculative-algorithm", "NGRAM"] if request.param.endswith("ngram") else []
+    with serving(model_dir, "--device", "cuda", *dtype, *spec,
+                 tmpdir=tmp_path_factory.mktemp("srv"),
+                 env={"ZSERVE_SPEC_ROW_COST": "0"} if spec else None) as s:
+        s.model_dir, s.dtype = model_dir, request.param.split("-")[0]
         yield s
 
 
@@ -147,6 +153,7 @@ def greedy_batch(server, ps: list[list[int]]) -> list[dict]:
 def test_greedy_matches_transformers_on_cuda(server):
     dtype, tie = DTYPES[server.dtype], TIES[server.dtype]
     compared = 0
+    greedy_batch(server, prompts())         # (speculating: the answers are drafted below)
     for prompt, out in zip(prompts(), greedy_batch(server, prompts())):
         ref_ids, margins = cuda_greedy(server.model_dir, prompt, dtype)
         assert_greedy_match(out["output_ids"], ref_ids, margins, tie_tol=tie)

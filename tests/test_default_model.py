@@ -214,6 +214,40 @@ def test_no_flags_is_the_dequantized_model(reference, plain, server):
                               r["logprobs"], agreed, what)
 
 
+@pytest.fixture(scope="module")
+def speculating(tmp_path_factory):
+    """No flags but --speculative-algorithm NGRAM, drafting whenever it can
+    (ZSERVE_SPEC_ROW_COST=0: whatever the batch's size and the acceptance)."""
+    with serving(None, "--speculative-algorithm", "NGRAM",
+                 tmpdir=tmp_path_factory.mktemp("spec"),
+                 env={"ZSERVE_SPEC_ROW_COST": "0"}) as s:
+        yield s
+
+
+@pytest.mark.skipif(not runs_avx2_kernels(), reason="no AVX2: the default dequantizes")
+def test_speculation_keeps_the_greedy_ids(reference, plain, speculating):
+    """Issue 25, check 1 on the default model: with n-gram speculation the README's
+    request gives the ids it gives without; the 8 recorded prompts, in flight together and
+    asked twice (the second time drafting the first answers from the server's n-gram
+    store), follow transformers' greedy ids through near ties with logprobs within 1e-3,
+    as without speculation (test_no_flags_is_the_dequantized_model)."""
+    hello = {"text": "Hello", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+    assert speculating.generate_ok(**hello)["output_ids"] == \
+        plain.generate_ok(**hello)["output_ids"]
+    prompts, n = reference["prompts"], reference["max_new_tokens"]
+    kept = []
+    for _ in range(2):
+        outs = concurrently(*[lambda p=p: native(speculating, p, n) for p in prompts])
+        for p, r, out in zip(prompts, reference["results"]["float32"], outs):
+            what = f"{p['kind']} {p['content']!r}, speculating"
+            agreed = assert_greedy_through_ties(out["output_ids"], r["ids"], r["margins"],
+                                                F32_TIE, what)
+            assert_logprobs_close([t[0] for t in out["meta_info"]["output_token_logprobs"]],
+                                  r["logprobs"], agreed, what)
+        kept.append(sum(o["meta_info"]["spec_accept_token_num"] for o in outs))
+    assert kept[1] >= len(prompts) * n // 2, f"drafts kept per round: {kept}"
+
+
 def test_model_info_and_banner(server):
     info = server.client.get("/model_info").json()
     assert info["is_generation"] is True

@@ -21,8 +21,10 @@ one), its logprobs match its tokens and its prompt's are whole, and when idle
 free + evictable == total with every table row free. Every accepted request gets exactly
 one terminal output and nothing after it; one not aborted, released or failed ends by its
 grammar, length or stop token exactly where it should, or with a 400 if its grammar does
-not compile. A failure names the seed; rerun one with
--k "seed-N".
+not compile. Odd seeds speculate (speculative.py's Speculator, its adaptive length or
+always the most, with `Guesser`'s drafts: each right with a per-run chance, some EOS): a
+verify step keeps the drafts the fake model agrees with and gives back the rest's KV, so
+the same checks hold. A failure names the seed; rerun one with -k "seed-N".
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from scheduler_proc import scheduler as scheduler_mod
+from scheduler_proc.speculative import (Proposer, Speculator, cpu_step_cost,
+                                        linear_step_cost)
 from test_scheduler_unit import CONTEXT, VOCAB, RunnerCheckFailed, make, token_after
 from wire.messages import (AbortRequest, FlushCacheRequest, LogprobRequest, ReleaseRequest,
                            TokenizedRequest)
@@ -79,6 +83,18 @@ class Expect:
         return "length", 0
 
 
+class Guesser(Proposer):
+    """Drafts for the fake model: up to k tokens, each token_after (what the model will say)
+    with probability `right`, else a random token (EOS among them)."""
+
+    def __init__(self, rng: random.Random, right: float):
+        self.rng, self.right = rng, right
+
+    def propose(self, req, k: int) -> list[int]:
+        return [token_after(req.seq_len + i) if self.rng.random() < self.right
+                else self.rng.randrange(VOCAB) for i in range(self.rng.randint(0, k))]
+
+
 class Run:
     def __init__(self, seed: int):
         self.seed = seed
@@ -96,6 +112,12 @@ class Run:
             chunked_prefill_size=rng.choice([4, 8, 16, 64]),
             disable_radix_cache=rng.random() < 0.2, max_queued_requests=self.limit)
         self.s.runner.fail = self.inject
+        if seed % 2:
+            most = rng.choice([2, 4, 8])
+            self.s.spec = Speculator(Guesser(rng, rng.choice([0.5, 0.9, 1.0])), most,
+                                     step_cost=rng.choice([cpu_step_cost,
+                                                           linear_step_cost(0.0)]),
+                                     accept_lengths=[0] * (most + 2))
         self.bases = [[rng.randrange(VOCAB) for _ in range(rng.randint(8, 60))]
                       for _ in range(rng.randint(1, 4))]
         self.expect: dict[str, Expect] = {}
@@ -385,7 +407,7 @@ class Run:
 @pytest.fixture(scope="module")
 def totals():
     """What all the seeds exercised together: checked after the last one."""
-    return {"ops": 0, "retracted": 0, "requests": 0}
+    return {"ops": 0, "retracted": 0, "requests": 0, "drafted": 0, "accepted": 0}
 
 
 @pytest.mark.parametrize("seed", SEEDS, ids=[f"seed-{n}" for n in SEEDS])
@@ -405,6 +427,9 @@ def test_random_traffic_keeps_every_invariant(seed, totals, caplog, monkeypatch)
     totals["ops"] += run.ops
     totals["retracted"] += run.s.retracted_total
     totals["requests"] += len(run.expect)
+    if run.s.spec is not None:
+        totals["drafted"] += run.s.spec.drafted_total
+        totals["accepted"] += run.s.spec.accepted_total
     for k, v in run.stats.items():
         totals[k] = totals.get(k, 0) + v
     print(f"seed {seed}: pool {run.pool}, max_running {run.max_running}, "
@@ -418,3 +443,4 @@ def test_the_random_runs_covered_what_they_are_for(totals):
     assert totals["retracted"] > 0 and totals["overcommitted"] > 0, totals
     assert totals["cached"] > 0 and totals["stop"] > 0 and totals["ended_early"] > 0, totals
     assert totals["grammar_stop"] > 0 and totals["grammar_400"] > 0, totals
+    assert 0 < totals["accepted"] < totals["drafted"], totals     # drafts kept and dropped

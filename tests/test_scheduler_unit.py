@@ -50,7 +50,10 @@ class FakeRunner:
     KV computed for the same tokens (`kv`: slot -> a hash of the tokens up to it; a failed
     forward leaves its slots' KV unknown). Logprobs (all 0.0) are added where the real
     runner adds them. `fail(segments)` may raise (a failed forward) or return
-    {rid: exception} (failed sampling rows)."""
+    {rid: exception} (failed sampling rows). A segment with drafts (speculative decoding)
+    is verified as the real runner does: row i's token is token_after(seq_len + i), and
+    the drafts are kept up to the first that differs from its row's token, or a stop
+    token; its KV positions hash its drafts."""
 
     device = "cpu"
     context_len = CONTEXT
@@ -82,14 +85,18 @@ class FakeRunner:
 
     def _forward(self, segments, req_to_token):
         self.steps.append(segments)
-        lengths = [s.length for s in segments]
-        assert lengths == sorted(lengths, key=lambda n: n != 1), "decode rows must come first"
+        prefills = [not s.decodes for s in segments]
+        assert prefills == sorted(prefills), "decode rows must come first"
         table, written = req_to_token.tolist(), []
         for seg in segments:
             req, start, end = seg.req, seg.start, seg.start + seg.length
             assert start == req.num_computed - seg.length and seg.length > 0
             assert table[req.row][:end] == req.slots[:end], f"{req.rid}: its table row"
-            hashes = self.prefix_hashes(req, end)
+            assert not seg.draft or (seg.sample and end - len(seg.draft) == req.seq_len), \
+                f"{req.rid}: drafts must follow its newest token"
+            hashes = list(self.prefix_hashes(req, end - len(seg.draft)))
+            for token in seg.draft:
+                hashes.append(hash((hashes[-1], token)))
             kv = [self.kv.get(slot) for slot in req.slots[:start]]
             assert kv == hashes[:start], f"{req.rid}: the KV of its first {start} positions"
             self.kv.update(zip(req.slots[start:end], hashes[start:end]))
@@ -108,11 +115,22 @@ class FakeRunner:
             lo, hi = req.input_logprob_positions(seg.start, seg.start + seg.length)
             if lo < hi:
                 req.input_logprobs.extend(zero_logprobs(req.token_ids(lo + 1, hi + 1)))
-        out = [failed.get(s.req.rid, token_after(s.req.seq_len)) for s in segments if s.sample]
+        out = [failed.get(s.req.rid, self.verify(s) if s.draft else token_after(s.req.seq_len))
+               for s in segments if s.sample]
         for seg, token in zip([s for s in segments if s.sample], out):
-            if seg.req.logprob is not None and isinstance(token, int):
-                seg.req.pending_logprobs = zero_logprobs([token])
+            if seg.req.logprob is not None and not isinstance(token, Exception):
+                seg.req.pending_logprobs = zero_logprobs(
+                    token if isinstance(token, list) else [token])
         return out
+
+    def verify(self, seg) -> list[int]:
+        req, kept = seg.req, []
+        stops = set(req.sampling.stop_token_ids) | (set() if req.sampling.ignore_eos else {EOS})
+        for i in range(len(seg.draft) + 1):
+            kept.append(token_after(req.seq_len + i))
+            if i == len(seg.draft) or kept[-1] != seg.draft[i] or kept[-1] in stops:
+                break
+        return kept
 
 
 def zero_logprobs(ids: list[int]) -> Logprobs:
@@ -137,6 +155,9 @@ class FakeMatcher:
     @property
     def stopped(self) -> bool:
         return len(self.tokens) >= self.length
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        return min(len(tokens), max(0, self.length - len(self.tokens)))
 
     def sync(self, output_ids: list[int]) -> None:
         if self.tokens != output_ids:

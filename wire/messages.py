@@ -250,6 +250,16 @@ class DecodeParams(WireStruct):
     api: int = 0                        # the API process the rid's outputs go to
 
 
+class SpecStats(WireStruct):
+    """A request's speculative decoding so far (scheduler_proc/speculative.py), on each of
+    its outputs where the server speculates: verify steps (steps in which its rows carried
+    drafts), draft tokens verified, and how many of them were kept."""
+
+    verify_ct: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
 class TokenOutput(WireStruct):
     rid: str
     new_ids: list[int]                  # ids sampled for this rid in this step
@@ -266,6 +276,7 @@ class TokenOutput(WireStruct):
     decode_time: float | None = None
     # A VectorRequest's answer, on its terminal output: float32 values, little-endian.
     vector: bytes | None = None
+    spec: SpecStats | None = None       # so far, where the server speculates
 
 
 class SchedulerLoad(WireStruct):
@@ -288,6 +299,19 @@ class SchedulerLoad(WireStruct):
     queued_tokens: int = 0              # tokens of the queued requests (counted only for a
                                         # --load-balance-method shortest_queue controller)
     running_tokens: int = 0             # the same of the running ones
+    # Speculative decoding, since start (empty where the server does not speculate):
+    # spec_accept_hist[m] = verify steps that kept m tokens (m - 1 drafts and the token
+    # after them), m = 1 .. --speculative-num-draft-tokens + 1 (index 0 unused).
+    spec_draft_total: int = 0
+    spec_accept_hist: list[int] = field(default_factory=list)
+
+    @property
+    def spec_verify_total(self) -> int:
+        return sum(self.spec_accept_hist)
+
+    @property
+    def spec_accepted_total(self) -> int:
+        return sum((m - 1) * n for m, n in enumerate(self.spec_accept_hist) if m)
 
     @property
     def kv_used(self) -> int:
@@ -389,6 +413,7 @@ class TextOutput(WireStruct):
     prefill_time: float | None = None   # TokenOutput's, on the terminal output
     decode_time: float | None = None
     vector: bytes | None = None         # TokenOutput's, on the terminal output
+    spec: SpecStats | None = None       # TokenOutput's
 
 
 class TextBatch(WireStruct, tag=6):

@@ -83,6 +83,9 @@ QUANTIZATIONS = ("none", "gguf", "int8")                 # what --quantization r
 # multiply-adds take four pairs a lane where float takes one), and a large batch's
 # throughput is what it is for.
 INT8_BATCH = 32
+# --speculative-num-draft-tokens' bound: the rows one request may add to a step (a verify
+# step's drafts are computed whether or not they are kept).
+MAX_DRAFT_TOKENS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +159,20 @@ class ServerArgs:
                                choices=["last", "mean", "cls"])
     is_embedding: bool = _opt(False, "Serve the model for embeddings only (/v1/embeddings): "
                               "generation and scoring routes answer 400 (SGLang's flag).")
+    # ---- speculative decoding (docs/performance.md: "Speculative decoding") ----
+    speculative_algorithm: str | None = _opt(None, "Guess tokens and verify several in one "
+                                             "forward, keeping those the model agrees with "
+                                             "(the same output, greedy or sampled). NGRAM: "
+                                             "prompt lookup, the continuation of the "
+                                             "request's latest earlier n-gram equal to its "
+                                             "last tokens.", choices=["NGRAM"])
+    speculative_num_draft_tokens: int = _opt(8, "Most draft tokens a request verifies in "
+                                             "one step; fewer (or none) as its measured "
+                                             "acceptance and the batch's size say.")
+    speculative_ngram_min_match_window_size: int = _opt(2, "NGRAM: the shortest suffix of "
+                                                        "a request's tokens looked up.")
+    speculative_ngram_max_match_window_size: int = _opt(8, "NGRAM: the longest (the "
+                                                        "longest match found wins).")
     # ---- scaling (README: "Scaling") ----
     tokenizer_worker_num: int = _opt(1, "Tokenizer processes; the API's requests are spread "
                                      "over them round-robin.")
@@ -262,7 +279,9 @@ class ServerArgs:
                      "nnodes", "dist_timeout", "max_request_bytes", "read_timeout",
                      "int8_activation_batch", "media_fetch_timeout", "max_image_bytes",
                      "max_image_pixels", "max_images_per_request", "image_embedding_cache_mb",
-                     "keep_alive_timeout", "send_timeout", "watchdog_timeout"):
+                     "keep_alive_timeout", "send_timeout", "watchdog_timeout",
+                     "speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
+                     "speculative_ngram_max_match_window_size"):
             if not getattr(self, name) > 0 or getattr(self, name) == float("inf"):
                 _refuse(f"--{name.replace('_', '-')} must be positive")
         for name in ("max_queued_requests", "request_timeout", "context_length"):
@@ -272,6 +291,12 @@ class ServerArgs:
                 not os.path.isdir(self.allowed_local_media_path):
             _refuse(f"--allowed-local-media-path {self.allowed_local_media_path}: not a "
                     f"directory")
+        if self.speculative_ngram_min_match_window_size > \
+                self.speculative_ngram_max_match_window_size:
+            _refuse("--speculative-ngram-min-match-window-size must not exceed "
+                    "--speculative-ngram-max-match-window-size")
+        if self.speculative_num_draft_tokens > MAX_DRAFT_TOKENS:
+            _refuse(f"--speculative-num-draft-tokens must be at most {MAX_DRAFT_TOKENS}")
         if self.shutdown_timeout < 0:
             _refuse("--shutdown-timeout must not be negative")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:
