@@ -115,7 +115,13 @@ class Scheduler:
         self.vocab_size = runner.config.vocab_size
         self.grammars = grammars
         device = getattr(runner.device, "type", runner.device)
-        self.spec = Speculator.of(args, str(device))      # None without speculation
+        draft = None
+        if args.speculative_algorithm == "STANDALONE":
+            from scheduler_proc.draft_model import DraftModel
+            draft = DraftModel(args.speculative_draft_model_path, runner.config,
+                               runner.dtype, runner.device, kv.pool.size,
+                               kv.req_to_token.table, runner.context_len)
+        self.spec = Speculator.of(args, str(device), draft)     # None without speculation
         self.compiling: list[Req] = []            # waiting for their grammar, in arrival order
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []              # in admission order
@@ -452,20 +458,30 @@ class Scheduler:
             if seg.length != 1 or not seg.sample or spare <= 0:
                 continue
             cap = min(spare, req.sampling.max_new_tokens - len(req.output_ids) - 1)
-            draft = self.spec.propose(req, rows, tokens, cap)
+            k = self.spec.draft_len(req, rows, tokens, cap)
+            if k == 0:
+                continue
+            self.kv.extend(req, k)          # a draft model writes its K/V there
+            draft = self.spec.propose(req, k)
             for i, token in enumerate(draft):
                 if token in self.eos_ids or token in req.sampling.stop_token_ids:
                     draft = draft[:i + 1]
                     break
             if draft and req.grammar is not None:
                 draft = draft[:req.grammar.valid_prefix(draft)]
+            if len(draft) < k:
+                self.truncate(req, seg.start + 1 + len(draft))
             if draft:
-                self.kv.extend(req, len(draft))
                 seg.length += len(draft)
                 seg.draft = draft
                 spare -= len(draft)
                 rows += len(draft)
                 tokens += self.spec.expected(req, len(draft))
+
+    def truncate(self, req: Req, n: int) -> None:
+        """Give back req's positions n and after (drafts cut or rejected)."""
+        self.kv.truncate(req, n)
+        self.spec.truncated(req, n)
 
     def _segment(self, req: Req, n: int, todo: int) -> Segment:
         """Give req slots for its next n positions. The segment samples when it reaches the
@@ -488,6 +504,8 @@ class Scheduler:
 
     def retract(self, req: Req) -> None:
         self.kv.release(req)
+        if self.spec is not None:
+            self.spec.retracted(req)
         if not req.announced:
             req.reset_input_logprobs()
         if req.grammar is not None:
@@ -527,7 +545,7 @@ class Scheduler:
             if seg.draft:
                 # Positions start.. held the last token and the drafts; those past the
                 # accepted ones are given back before anything caches this request's KV.
-                self.kv.truncate(req, seg.start + len(new_ids))
+                self.truncate(req, seg.start + len(new_ids))
                 self.spec.record(req, len(seg.draft), len(new_ids) - 1)
                 lp = req.pending_logprobs
                 if lp is not None and len(lp.token_ids) > len(new_ids):

@@ -101,6 +101,9 @@ class Proposer:
     def flush(self) -> None:
         """Forget what finished requests said (/flush_cache)."""
 
+    def retracted(self, req) -> None:
+        """req was retracted: its KV slots went back to the pool."""
+
 
 class NgramProposer(Proposer):
     """Prompt lookup, in the request's own tokens and in what finished requests said. Each
@@ -208,6 +211,7 @@ class SpecState:
     verify_ct: int = 0
     drafted: int = 0
     accepted_total: int = 0
+    draft_done: int = 0         # a draft model's K/V covers positions 0..draft_done-1
 
     @property
     def rate(self) -> float:
@@ -228,13 +232,16 @@ class Speculator:
                                                                # tokens (index 0 unused)
 
     @classmethod
-    def of(cls, args, device_type: str) -> "Speculator | None":
-        """From the server's flags; None without --speculative-algorithm."""
+    def of(cls, args, device_type: str, proposer: Proposer | None = None
+           ) -> "Speculator | None":
+        """From the server's flags; None without --speculative-algorithm. proposer: the
+        STANDALONE draft model (draft_model.py); NGRAM's is made here."""
         if args.speculative_algorithm is None:
             return None
-        proposer = NgramProposer(args.speculative_ngram_min_match_window_size,
-                                 args.speculative_ngram_max_match_window_size,
-                                 args.speculative_num_draft_tokens)
+        if proposer is None:
+            proposer = NgramProposer(args.speculative_ngram_min_match_window_size,
+                                     args.speculative_ngram_max_match_window_size,
+                                     args.speculative_num_draft_tokens)
         cost = linear_step_cost(CUDA_ROW_COST) if device_type == "cuda" else cpu_step_cost
         if (given := os.environ.get(ROW_COST_ENV)) is not None:
             try:
@@ -249,17 +256,23 @@ class Speculator:
 
     def draft_len(self, req, rows: int, tokens: float, cap: int) -> int:
         """How many drafts req should get in a step that has `rows` rows and `tokens`
-        expected tokens without them (module docstring), at most cap."""
+        expected tokens without them (module docstring), at most cap. A request that gets
+        none has its acceptance estimate drift back toward the prior."""
+        if req.spec is None:
+            req.spec = SpecState()
+        s = req.spec
         cap = min(cap, self.max_draft)
         if cap > 0 and self.step_cost(rows + cap) <= self.step_cost(rows):
             return cap                      # rows are free: draft all that can be had
-        a = req.spec.rate
+        a = s.rate
         best_k, best, gain = 0, tokens / self.step_cost(rows), 0.0
         for k in range(1, cap + 1):
             gain += a ** k
             value = (tokens + gain) / self.step_cost(rows + k)
             if value > best * (1 + MARGIN) or (best_k and value > best):
                 best_k, best = k, value
+        if best_k == 0:
+            s.accepted += EXPLORE * (PRIOR * s.tried - s.accepted)
         return best_k
 
     @staticmethod
@@ -268,15 +281,8 @@ class Speculator:
         a = req.spec.rate
         return sum(a ** j for j in range(1, k + 1))
 
-    def propose(self, req, rows: int, tokens: float, cap: int) -> list[int]:
-        """req's drafts for this step (possibly none)."""
-        if req.spec is None:
-            req.spec = SpecState()
-        k = self.draft_len(req, rows, tokens, cap)
-        if k == 0:
-            s = req.spec
-            s.accepted += EXPLORE * (PRIOR * s.tried - s.accepted)
-            return []
+    def propose(self, req, k: int) -> list[int]:
+        """Up to k drafts for req (draft_len's k; their slots already given)."""
         return list(self.proposer.propose(req, k))[:k]
 
     def finished(self, req) -> None:
@@ -303,6 +309,16 @@ class Speculator:
 
     def flush(self) -> None:
         self.proposer.flush()
+
+    def truncated(self, req, n: int) -> None:
+        """req's positions n and after were given back (rejected or cut drafts)."""
+        if req.spec is not None:
+            req.spec.draft_done = min(req.spec.draft_done, n)
+
+    def retracted(self, req) -> None:
+        if req.spec is not None:
+            req.spec.draft_done = 0
+            self.proposer.retracted(req)
 
     def record(self, req, drafted: int, accepted: int) -> None:
         """A verify step of req: `drafted` drafts, the first `accepted` of them kept."""

@@ -389,3 +389,86 @@ def test_speculation_is_counted(spec_server, llama_server):
     assert "spec_verify_ct" not in plain["meta_info"]
     assert "speculative" not in llama_server.server_info()
     assert "zserve:spec_" not in llama_server.client.get("/metrics").text
+
+
+# ---------------------------------------------------------------------------------------
+# A draft model (STANDALONE)
+
+
+def perturbed_copy(model_dir, out_dir, scale: float, seed: int = 0):
+    """A copy of a checkpoint with every weight moved by scale x its tensor's std of
+    noise: a draft that agrees with its target often, not always."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(model_dir, out_dir)
+    gen = torch.Generator().manual_seed(seed)
+    for f in sorted(out_dir.glob("*.safetensors")):
+        tensors = load_file(f)
+        for name, t in tensors.items():
+            if t.is_floating_point() and t.numel() > 1:
+                t += torch.randn(t.shape, generator=gen, dtype=t.dtype) * t.float().std() * scale
+        save_file(tensors, f, metadata={"format": "pt"})
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def draft_server(tiny_model, tmp_path_factory):
+    target = tiny_model("llama")
+    draft = perturbed_copy(target, tmp_path_factory.mktemp("draft") / "model", 0.01)
+    with serving(target, "--speculative-algorithm", "STANDALONE",
+                 "--speculative-draft-model-path", str(draft), "--max-total-tokens", "160",
+                 "--chunked-prefill-size", "16", tmpdir=tmp_path_factory.mktemp("spec2"),
+                 env=ALWAYS) as s:
+        s.model_dir = target
+        yield s
+
+
+@pytest.mark.e2e
+def test_draft_model_keeps_the_greedy_ids(draft_server):
+    """A perturbed copy of the target as its draft model (often right, not always): greedy
+    ids equal transformers' unary, batched, concurrently, streamed and under retraction
+    in a pool of 160 tokens; drafts were kept and rejected."""
+    s = draft_server
+    prompts = shared_prefix_prompts(19, 4, prefix_len=20)
+    forms = [[s.generate_ok(input_ids=p, sampling_params=GREEDY) for p in prompts],
+             s.generate_ok(input_ids=prompts, sampling_params=GREEDY),
+             concurrently(s, prompts, GREEDY),
+             [s.stream(input_ids=p, sampling_params=GREEDY)[-1] for p in prompts[:2]]]
+    for outs in forms:
+        for p, out in zip(prompts, outs):
+            assert_output_greedy(s.model_dir, p, out, MAX_NEW)
+    rng = random.Random(7)
+    long = [[rng.randrange(5, 700) for _ in range(10)] for _ in range(6)]
+    before = s.server_info()["retracted_total"]
+    for p, out in zip(long, concurrently(s, long, {**GREEDY, "max_new_tokens": 60})):
+        assert_output_greedy(s.model_dir, p, out, 60)
+    info = wait_idle(s)
+    assert info["retracted_total"] > before, "the pool of 160 should force a retraction"
+    spec = info["speculative"]
+    assert spec["draft_tokens"] > spec["accepted_tokens"] > spec["draft_tokens"] // 5, spec
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("variant", ["json_schema", "penalties", "seeded"])
+def test_draft_model_samples_as_without_drafts(variant, draft_server, llama_server):
+    params = {**GREEDY, **VARIANTS[variant]}
+    body = {"text": "The list: a b c d a b c", "sampling_params": params}
+    assert draft_server.generate_ok(**body)["output_ids"] == \
+        llama_server.generate_ok(**body)["output_ids"]
+
+
+def test_a_draft_model_is_asked_for_with_its_path(tmp_path):
+    from wire.server_args import ServerArgs
+    with pytest.raises(SystemExit):
+        ServerArgs(speculative_algorithm="STANDALONE").check()
+    with pytest.raises(SystemExit):
+        ServerArgs(speculative_draft_model_path=str(tmp_path)).check()
+    with pytest.raises(SystemExit):
+        ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_model_path=str(
+            tmp_path / "missing")).check()
+    with pytest.raises(SystemExit):
+        ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_model_path=str(
+            tmp_path), tp_size=2).check()
+    ServerArgs(speculative_algorithm="STANDALONE",
+               speculative_draft_model_path=str(tmp_path)).check()

@@ -164,8 +164,15 @@ class ServerArgs:
                                              "forward, keeping those the model agrees with "
                                              "(the same output, greedy or sampled). NGRAM: "
                                              "prompt lookup, the continuation of the "
-                                             "request's latest earlier n-gram equal to its "
-                                             "last tokens.", choices=["NGRAM"])
+                                             "latest earlier n-gram equal to the request's "
+                                             "last tokens (its own, or a finished "
+                                             "request's); STANDALONE: a smaller model's "
+                                             "greedy guesses (--speculative-draft-model-"
+                                             "path).", choices=["NGRAM", "STANDALONE"])
+    speculative_draft_model_path: str | None = _opt(None, "STANDALONE: the draft model, a "
+                                                    "directory or GGUF file with the served "
+                                                    "model's vocabulary (run unquantized "
+                                                    "in --dtype, on one rank).")
     speculative_num_draft_tokens: int = _opt(8, "Most draft tokens a request verifies in "
                                              "one step; fewer (or none) as its measured "
                                              "acceptance and the batch's size say.")
@@ -295,6 +302,17 @@ class ServerArgs:
                 self.speculative_ngram_max_match_window_size:
             _refuse("--speculative-ngram-min-match-window-size must not exceed "
                     "--speculative-ngram-max-match-window-size")
+        if (self.speculative_algorithm == "STANDALONE") != \
+                (self.speculative_draft_model_path is not None):
+            _refuse("--speculative-algorithm STANDALONE and --speculative-draft-model-path "
+                    "go together")
+        if self.speculative_draft_model_path is not None:
+            if not os.path.exists(self.speculative_draft_model_path):
+                _refuse(f"--speculative-draft-model-path {self.speculative_draft_model_path}: "
+                        f"no such file or directory")
+            if self.tp_size > 1 or self.nnodes > 1:
+                _refuse("--speculative-algorithm STANDALONE runs its draft model on one rank: "
+                        "use --tp-size 1 (or NGRAM)")
         if self.speculative_num_draft_tokens > MAX_DRAFT_TOKENS:
             _refuse(f"--speculative-num-draft-tokens must be at most {MAX_DRAFT_TOKENS}")
         if self.shutdown_timeout < 0:
