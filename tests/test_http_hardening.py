@@ -178,7 +178,12 @@ def test_a_stream_that_is_never_read_is_aborted(server):
 
 @pytest.fixture(scope="module")
 def incremental(tiny_model, tmp_path_factory):
+    """One request runs at a time, so the 16 x 480 tokens take 16 requests' decoding end to
+    end: on a fast machine the tiny model decoded all 16 at once within the second the
+    send timeout waits (7,680 tokens generated, every request finished), and the count
+    said nothing about the timeout."""
     with serving(tiny_model("llama"), "--send-timeout", "1", "--incremental-streaming-output",
+                 "--max-running-requests", "1",
                  tmpdir=tmp_path_factory.mktemp("incr")) as s:
         yield s
 
