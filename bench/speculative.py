@@ -18,6 +18,17 @@ the table shows medians over the rounds, the speed-up, and the n-gram server's a
 outputs must be the same ids (greedy: speculation does not change them); a difference is
 reported.
 
+With --draft-model-path DIR the second server speculates with that draft model
+(`--speculative-algorithm STANDALONE`) instead of n-grams, and the table adds what the
+measured acceptance would give if drafting cost nothing ("ideal": tokens a verify step
+made / the cost of a step of that many rows, speculative.py's cpu_step_cost). For the
+issue's setting, a SmolLM2-135M-shaped target with random weights and a 4-layer draft
+of the same seed (its embeddings, first 4 layers and head are the target's):
+
+    python -m bench.make_checkpoint --out /tmp/smollm-135m
+    python -m bench.make_checkpoint --out /tmp/smollm-4l --layers 4
+    python -m bench.speculative --model-path /tmp/smollm-135m --draft-model-path /tmp/smollm-4l
+
 With --llama-server, llama.cpp's server on the same GGUF runs each workload the same way,
 plain and with each n-gram speculation type given in --llama-spec-types (its
 `--spec-type`), one llama-server at a time.
@@ -86,6 +97,8 @@ def zserve_run(server: Server, prompt: str, max_tokens: int) -> dict:
     return {"ids": out["output_ids"], "tokens": meta["completion_tokens"], "wall": wall,
             "decode": (meta["completion_tokens"] - 1) / span if span > 0 else None,
             "accept_length": meta.get("spec_accept_length"),
+            "drafts_per_step": meta["spec_draft_token_num"] / meta["spec_verify_ct"]
+            if meta.get("spec_verify_ct") else None,
             "accept_rate": meta.get("spec_accept_rate")}
 
 
@@ -105,6 +118,18 @@ def llama_run(url: str, prompt: str, max_tokens: int) -> dict:
             "accept_rate": accepted / drafted if drafted else None}
 
 
+def ideal(runs: list[dict]) -> float | None:
+    """The decode speed-up the measured acceptance gives when drafting costs nothing: tokens
+    a verify step made over the cost of a verify step's rows (1 + drafts), in one-row
+    steps (speculative.py's CPU model)."""
+    from scheduler_proc.speculative import cpu_step_cost
+    length, drafts = median([x["accept_length"] for x in runs]), \
+        median([x["drafts_per_step"] for x in runs])
+    if length is None or drafts is None:
+        return None
+    return length / cpu_step_cost(1 + round(drafts))
+
+
 def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -120,8 +145,10 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--draft-model-path", default=None,
+                    help="speculate with this draft model (STANDALONE) instead of n-grams")
     ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary")
-    ap.add_argument("--llama-spec-types", default="ngram-simple,ngram-map-k",
+    ap.add_argument("--llama-spec-types", default="ngram-simple,ngram-map-k,ngram-mod",
                     help="llama-server --spec-type values to run")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
@@ -129,8 +156,10 @@ def main(argv=None) -> None:
     results: dict[tuple[str, str], list[dict]] = {}
     tmp = tempfile.mkdtemp()
     plain = Server(args.model_path, tmpdir=tmp, one_thread=False)
-    spec = Server(args.model_path, "--speculative-algorithm", "NGRAM", tmpdir=tmp,
-                  one_thread=False)
+    how = ["--speculative-algorithm", "NGRAM"] if args.draft_model_path is None else \
+        ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path",
+         args.draft_model_path]
+    spec = Server(args.model_path, *how, tmpdir=tmp, one_thread=False)
     try:
         model_file = plain.server_info()["model_path"]
         for name in names:                       # warm-up: each server, each workload once
@@ -151,7 +180,7 @@ def main(argv=None) -> None:
     finally:
         plain.terminate()
         spec.terminate()
-    systems = ["zserve", "zserve ngram"]
+    systems = ["zserve", "zserve ngram"]     # (the second: the draft model's, if given)
     if args.llama_server:
         from bench.throughput import LlamaServer, gguf_file
         gguf = gguf_file(model_file) if args.model_path is None else gguf_file(args.model_path)
@@ -175,8 +204,8 @@ def main(argv=None) -> None:
           f"included); decode = (n - 1) / (e2e - first token)")
     print("| workload | tokens | " + " | ".join(systems) +
           " | ngram / zserve | decode: zserve | ngram | ratio | accept length | "
-          "accept rate |")
-    print("|---" * (len(systems) + 8) + "|")
+          "accept rate | ideal |")
+    print("|---" * (len(systems) + 9) + "|")
     for name in names:
         rates = {s: median([x["tokens"] / x["wall"] for x in results.get((name, s), [])])
                  for s in systems}
@@ -188,7 +217,7 @@ def main(argv=None) -> None:
               " | ".join(fmt(rates[s], ".1f") for s in systems) +
               f" | **{speedup:.2f}** | {fmt(dec[0], '.1f')} | {fmt(dec[1], '.1f')} | "
               f"{dec[1] / dec[0]:.2f} | {fmt(median([x['accept_length'] for x in ng]))} | "
-              f"{fmt(median([x['accept_rate'] for x in ng]))} |")
+              f"{fmt(median([x['accept_rate'] for x in ng]))} | {fmt(ideal(ng))} |")
 
 
 if __name__ == "__main__":

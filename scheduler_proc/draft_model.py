@@ -16,7 +16,9 @@ at 0); a cached prefix shared by several requests is recomputed by each, with th
 tokens. The draft's K/V only decides what is proposed, never what is output.
 
 One rank only (the launcher refuses it with --tp-size > 1): the draft runs on rank 0's
-device, unsharded.
+device, unsharded. Not counted yet: the draft's own forwards in the step's cost
+(speculative.py's policy weighs only the target's rows), and on CUDA its memory when the
+target's pool is sized (so --max-total-tokens is required there).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from scheduler_proc.speculative import Proposer
 
 log = logging.getLogger(__name__)
 
-CATCH_UP_CHUNK = 512        # positions of a request's prompt the draft prefills a forward
+CATCH_UP_CHUNK = 512        # positions the draft catches up in a step at most (a long
+                            # prompt over several steps, drafting only once caught up)
 
 
 class DraftModel(Proposer):
@@ -65,9 +68,10 @@ class DraftModel(Proposer):
             return []
         state = req.spec
         done = min(state.draft_done, last)
-        while last + 1 - done > CATCH_UP_CHUNK:          # a long prompt: prefill in chunks
+        if last + 1 - done > CATCH_UP_CHUNK:     # a long prompt: a chunk a step, no drafts
             self._forward(req, done, req.token_ids(done, done + CATCH_UP_CHUNK), False)
-            done += CATCH_UP_CHUNK
+            state.draft_done = done + CATCH_UP_CHUNK
+            return []
         token = self._forward(req, done, req.token_ids(done, last + 1), True)
         drafts = [token]
         for i in range(1, k):

@@ -148,10 +148,17 @@ class Matcher:
             return 0
 
     def rollback(self, n: int) -> None:
-        """Undo the last n consumed tokens (a speculative step's drafts)."""
-        if n:
-            self.m.rollback(n)
-            self.consumed -= n
+        """Undo the last n consumed tokens (a speculative step's drafts). Where the matcher
+        cannot, it is marked stale (consumed -1): the caller syncs it from the output ids."""
+        if not n:
+            return
+        try:
+            ok = self.m.rollback(n)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:           # noqa: BLE001 - a Rust panic
+            ok = False
+        self.consumed = self.consumed - n if ok is not False else -1
 
     def steer(self, remaining: int) -> int | None:
         """The token this request must take now to end its grammar within `remaining`

@@ -503,11 +503,11 @@ def _verify_rows(logits: torch.Tensor, req: Req, draft: list[int],
     finally:
         del req.output_ids[n_out:]
         if req.grammar is not None:
-            if broken:                      # rebuilt from the output ids
+            if not broken:
+                req.grammar.rollback(consumed)
+            if broken or req.grammar.consumed < 0:      # rebuilt from the output ids
                 req.grammar.consumed = -1
                 req.grammar.sync(req.output_ids)
-            else:
-                req.grammar.rollback(consumed)
     req.pending_logprobs = logprobs
     return kept
 

@@ -73,7 +73,7 @@ from scheduler_proc.grammar import GrammarError
 from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.request import Req
 from scheduler_proc.runner import Segment, leaves_device_unknown
-from scheduler_proc.speculative import Speculator
+from scheduler_proc.speculative import Speculator, accepted_run
 from wire.messages import (MAX_TOP_LOGPROBS, AbortRequest, ControlReply, DecodeParams,
                            FinishReason, FlushCacheRequest, Logprobs, ReleaseRequest,
                            SchedulerLoad, TokenBatch, TokenizedRequest, TokenOutput, replace)
@@ -452,7 +452,7 @@ class Scheduler:
         (nothing after it is kept) and at what the grammar allows."""
         rows = sum(seg.length for seg in segments)
         tokens = float(sum(seg.sample for seg in segments))
-        spare = self.kv.available
+        spare = self.kv.pool.num_free         # free slots only: a draft evicts no cache
         for seg in segments:
             req = seg.req
             if seg.length != 1 or not seg.sample or spare <= 0:
@@ -462,9 +462,18 @@ class Scheduler:
             if k == 0:
                 continue
             self.kv.extend(req, k)          # a draft model writes its K/V there
-            draft = self.spec.propose(req, k)
+            try:
+                draft = self.spec.propose(req, k)
+            except Exception as e:          # the request's drafts, not the step
+                if leaves_device_unknown(e):
+                    raise
+                log.error("proposing drafts for request %s failed", req.rid, exc_info=e)
+                req.spec.draft_done = 0
+                draft = []
+            stops = set(req.sampling.stop_token_ids) | \
+                (set() if req.sampling.ignore_eos else self.eos_ids)
             for i, token in enumerate(draft):
-                if token in self.eos_ids or token in req.sampling.stop_token_ids:
+                if token in stops:
                     draft = draft[:i + 1]
                     break
             if draft and req.grammar is not None:
@@ -546,7 +555,7 @@ class Scheduler:
                 # Positions start.. held the last token and the drafts; those past the
                 # accepted ones are given back before anything caches this request's KV.
                 self.truncate(req, seg.start + len(new_ids))
-                self.spec.record(req, len(seg.draft), len(new_ids) - 1)
+                self.spec.record(req, len(seg.draft), accepted_run(seg.draft, new_ids))
                 lp = req.pending_logprobs
                 if lp is not None and len(lp.token_ids) > len(new_ids):
                     req.pending_logprobs = Logprobs(

@@ -285,14 +285,6 @@ class Speculator:
         """Up to k drafts for req (draft_len's k; their slots already given)."""
         return list(self.proposer.propose(req, k))[:k]
 
-    def finished(self, req) -> None:
-        """req ended: what it said may be others' drafts."""
-        if req.output_ids:
-            self.proposer.finished(req)
-
-    def flush(self) -> None:
-        self.proposer.flush()
-
     @staticmethod
     def stats(req) -> SpecStats:
         """What req's outputs report (meta_info's spec_* fields, on its last)."""

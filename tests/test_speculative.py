@@ -472,3 +472,22 @@ def test_a_draft_model_is_asked_for_with_its_path(tmp_path):
             tmp_path), tp_size=2).check()
     ServerArgs(speculative_algorithm="STANDALONE",
                speculative_draft_model_path=str(tmp_path)).check()
+
+
+def test_a_failing_proposer_costs_its_request_only_its_drafts(caplog):
+    """The scheduler with test_scheduler_unit's fake runner: a proposer that raises leaves
+    the request drafting nothing that step; it ends as it would have, the pool whole."""
+    from test_scheduler_unit import finishes, make, request, run_until_idle, token_after
+    from scheduler_proc.speculative import Proposer
+
+    class Broken(Proposer):
+        def propose(self, req, k):
+            raise RuntimeError("the draft model fell over")
+    s, batches, _ = make()
+    s.spec = Speculator(Broken(), 4, linear_step_cost(0.0), accept_lengths=[0] * 6)
+    run_until_idle(s, [request("a", max_new_tokens=6, ignore_eos=True)])
+    assert finishes(batches)["a"].type == "length"
+    ids = [i for b in batches for o in b.outputs for i in o.new_ids]
+    assert ids == [token_after(3 + i) for i in range(6)]
+    assert s.kv.pool.num_free + s.kv.evictable == s.kv.pool.size
+    assert "proposing drafts for request a failed" in caplog.text

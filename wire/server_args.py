@@ -313,6 +313,9 @@ class ServerArgs:
             if self.tp_size > 1 or self.nnodes > 1:
                 _refuse("--speculative-algorithm STANDALONE runs its draft model on one rank: "
                         "use --tp-size 1 (or NGRAM)")
+            if self.device == "cuda" and self.max_total_tokens is None:
+                _refuse("--speculative-algorithm STANDALONE on cuda needs --max-total-tokens: "
+                        "the KV pool is sized before the draft model is loaded")
         if self.speculative_num_draft_tokens > MAX_DRAFT_TOKENS:
             _refuse(f"--speculative-num-draft-tokens must be at most {MAX_DRAFT_TOKENS}")
         if self.shutdown_timeout < 0:
