@@ -16,8 +16,8 @@ at 0); a cached prefix shared by several requests is recomputed by each, with th
 tokens. The draft's K/V only decides what is proposed, never what is output.
 
 One rank only (the launcher refuses it with --tp-size > 1): the draft runs on rank 0's
-device, unsharded. Not counted yet: the draft's own forwards in the step's cost
-(speculative.py's policy weighs only the target's rows), and on CUDA its memory when the
+device, unsharded. Its forwards count in the policy's step cost as `draft_cost` a draft
+(its weights' bytes over the served model's). Not counted: on CUDA its memory when the
 target's pool is sized (so --max-total-tokens is required there).
 """
 
@@ -40,10 +40,23 @@ CATCH_UP_CHUNK = 512        # positions the draft catches up in a step at most (
                             # prompt over several steps, drafting only once caught up)
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes of a model's parameters and buffers (packed or quantized weights are
+    buffers), shared tensors once."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
 class DraftModel(Proposer):
-    def __init__(self, path: str, target_config, dtype: torch.dtype, device, pool_size: int,
+    def __init__(self, path: str, target, dtype: torch.dtype, device, pool_size: int,
                  table: torch.Tensor, context_len: int):
+        """target: the served model (its config, and its weights' size for draft_cost)."""
         self.model = load_model(path, dtype, device)
+        target_config = target.config
         c = self.model.config
         if c.vocab_size != target_config.vocab_size:
             raise ValueError(f"--speculative-draft-model-path {path}: its vocabulary has "
@@ -56,8 +69,12 @@ class DraftModel(Proposer):
                              device, dtype)
         self.decode_kernel = decode_kernel_fits(device, dtype, c.num_heads, c.num_kv_heads,
                                                 c.head_dim, dtype)
-        log.info("draft model %s (%s, %d layers), its KV pool %d tokens", path,
-                 c.architecture, c.num_layers, pool_size)
+        # A decode step reads every weight once: a draft costs about its weights' bytes
+        # over the served model's, in the served model's one-row steps.
+        self.draft_cost = weight_bytes(self.model) / max(weight_bytes(target), 1)
+        log.info("draft model %s (%s, %d layers, %.0f%% of the served model's weight "
+                 "bytes), its KV pool %d tokens", path, c.architecture, c.num_layers,
+                 100 * self.draft_cost, pool_size)
 
     @torch.inference_mode()
     def propose(self, req, k: int) -> list[int]:

@@ -118,7 +118,7 @@ class Scheduler:
         draft = None
         if args.speculative_algorithm == "STANDALONE":
             from scheduler_proc.draft_model import DraftModel
-            draft = DraftModel(args.speculative_draft_model_path, runner.config,
+            draft = DraftModel(args.speculative_draft_model_path, runner.model,
                                runner.dtype, runner.device, kv.pool.size,
                                kv.req_to_token.table, runner.context_len)
         self.spec = Speculator.of(args, str(device), draft)     # None without speculation

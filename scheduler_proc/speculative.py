@@ -37,7 +37,8 @@ about a^j. A step of R rows costs cost(R) one-row steps (`step_cost`: on the CPU
 weights are read once per tile of 8, 4, 2 or 1 rows, blocks.c and linear.c, so 2 rows
 cost 1.1 and 3 rows 2.1, measured; on CUDA rows are nearly free until compute-bound). Each
 request in turn gets the k that makes the step's expected tokens per unit of cost
-largest, (tokens + a + ... + a^k) / cost(rows + k), if that beats no drafts by MARGIN:
+largest, (tokens + a + ... + a^k) / (cost(rows + k) + k draft_cost) (a draft model's
+forwards: draft_cost each), if that beats no drafts by MARGIN:
 alone with a = 0.6 that is 3 drafts (4 rows, one tile); with a = 0.3, 1; at 32 rows none
 (an extra tile of weights for a few expected tokens). A request that drafts nothing has
 its estimate drift back toward the prior (EXPLORE a step) so that it tries again later.
@@ -89,7 +90,10 @@ def linear_step_cost(row_cost: float):
 
 
 class Proposer:
-    """Where drafts come from (the interface)."""
+    """Where drafts come from (the interface). `draft_cost`: what proposing one draft
+    costs, in one-row steps of the served model (a draft model's forward; 0 for a lookup)."""
+
+    draft_cost = 0.0
 
     def propose(self, req, k: int) -> list[int]:
         """Up to k tokens req may say next (fewer, or none, are fine)."""
@@ -268,7 +272,8 @@ class Speculator:
         best_k, best, gain = 0, tokens / self.step_cost(rows), 0.0
         for k in range(1, cap + 1):
             gain += a ** k
-            value = (tokens + gain) / self.step_cost(rows + k)
+            value = (tokens + gain) / (self.step_cost(rows + k) +
+                                       k * self.proposer.draft_cost)
             if value > best * (1 + MARGIN) or (best_k and value > best):
                 best_k, best = k, value
         if best_k == 0:
