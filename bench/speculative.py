@@ -21,7 +21,7 @@ reported.
 With --draft-model-path DIR the second server speculates with that draft model
 (`--speculative-algorithm STANDALONE`) instead of n-grams, and the table adds what the
 measured acceptance would give if drafting cost nothing ("ideal": tokens a verify step
-made / the cost of a step of that many rows, speculative.py's cpu_step_cost). For the
+made / the cost of a step of that many rows, models/quant_linear.py's cpu_step_cost). For the
 issue's setting, a SmolLM2-135M-shaped target with random weights and a 4-layer draft
 of the same seed (its embeddings, first 4 layers and head are the target's):
 
@@ -121,8 +121,8 @@ def llama_run(url: str, prompt: str, max_tokens: int) -> dict:
 def ideal(runs: list[dict]) -> float | None:
     """The decode speed-up the measured acceptance gives when drafting costs nothing: tokens
     a verify step made over the cost of a verify step's rows (1 + drafts), in one-row
-    steps (speculative.py's CPU model)."""
-    from scheduler_proc.speculative import cpu_step_cost
+    steps (models/quant_linear.py's cpu_step_cost)."""
+    from models.quant_linear import cpu_step_cost
     length, drafts = median([x["accept_length"] for x in runs]), \
         median([x["drafts_per_step"] for x in runs])
     if length is None or drafts is None:

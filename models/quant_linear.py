@@ -137,6 +137,26 @@ def dequantize(qtype: str, blocks: torch.Tensor, in_features: int) -> torch.Tens
     return torch.from_numpy(np.ascontiguousarray(out)).reshape(-1, in_features)
 
 
+# What a decode step of R rows costs on the CPU, in one-row steps: FIXED (embedding,
+# sampling, the Python around the step) plus one pass over the weights per tile of rows
+# (blocks.c and linear.c take x's rows in tiles of 8, 4, 2 and 1), TILE_PASS[tile] each.
+# Fitted to decode steps of the default model (Q4_1 layers on blocks.c) on a 2-core
+# AVX-512 machine: 1, 2, 3, 4, 5, 8, 9, 16 rows took 1.0, 1.1, 2.0, 1.32, 2.4, 2.37, 2.85,
+# 3.97 steps (docs/performance.md, "Speculative decoding"). Speculative decoding's policy
+# reads it (scheduler_proc/speculative.py).
+FIXED = 0.3
+TILE_PASS = {8: 2.0, 4: 1.02, 2: 0.8, 1: 0.7}
+
+
+def cpu_step_cost(rows: int) -> float:
+    """A CPU decode step of `rows` rows, in one-row steps (TILE_PASS)."""
+    cost = FIXED
+    for tile, one_pass in TILE_PASS.items():
+        n, rows = divmod(rows, tile)
+        cost += n * one_pass
+    return cost
+
+
 @contextlib.contextmanager
 def step_batch(requests: int):
     """Inside, the kernel rule (module doc) takes `requests` (a model step's) as the batch

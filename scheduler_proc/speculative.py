@@ -35,7 +35,8 @@ decayed count of drafts accepted over drafts tried, each step contributing its a
 run and, when it stopped early, one rejection), so its j-th draft is kept with chance
 about a^j. A step of R rows costs cost(R) one-row steps (`step_cost`: on the CPU the
 weights are read once per tile of 8, 4, 2 or 1 rows, blocks.c and linear.c, so 2 rows
-cost 1.1 and 3 rows 2.1, measured; on CUDA rows are nearly free until compute-bound). Each
+cost 1.1 and 3 rows 2.1, measured: models/quant_linear.py's cpu_step_cost; on CUDA rows
+are nearly free until compute-bound). Each
 request in turn gets the k that makes the step's expected tokens per unit of cost
 largest, (tokens + a + ... + a^k) / (cost(rows + k) + k draft_cost) (a draft model's
 forwards: draft_cost each), if that beats no drafts by MARGIN:
@@ -51,6 +52,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
+from models.quant_linear import cpu_step_cost
 from wire.messages import SpecStats
 
 PRIOR = 0.6             # per-token acceptance assumed before a request has been measured
@@ -58,13 +60,6 @@ PRIOR_WEIGHT = 2.0      # ... worth this many drafts
 DECAY = 0.8             # per verify step: older steps weigh less (~5 steps of memory)
 EXPLORE = 0.05          # per step without drafts: the estimate moves this far to the prior
 MARGIN = 0.02           # drafts must promise this much more output per unit of step cost
-# The CPU's step cost, in one-row steps: FIXED (embedding, sampling, the Python around the
-# step) plus one pass over the weights per tile of rows, TILE_PASS[tile] each. Fitted to
-# decode steps of the default model (Q4_1 layers on blocks.c) on a 2-core AVX-512 machine:
-# 1, 2, 3, 4, 5, 8, 9, 16 rows took 1.0, 1.1, 2.0, 1.32, 2.4, 2.37, 2.85, 3.97 steps
-# (docs/performance.md, "Speculative decoding").
-FIXED = 0.3
-TILE_PASS = {8: 2.0, 4: 1.02, 2: 0.8, 1: 0.7}
 CUDA_ROW_COST = 0.05    # an extra row of a CUDA step (memory-bound: nearly free), a guess
 INDEX_WINDOW = 8192      # a request's own tokens looked up: its newest this many
 INDEX_STEP = 1024        # of them indexed in one step at most
@@ -74,15 +69,6 @@ STORE_ENTRIES = 200_000  # n-grams kept for that (about 20 MB at 8-token spans)
 # decoding request draft as many tokens as it can, whatever the batch and its acceptance
 # (the tests' setting).
 ROW_COST_ENV = "ZSERVE_SPEC_ROW_COST"
-
-
-def cpu_step_cost(rows: int) -> float:
-    """A CPU decode step of `rows` rows, in one-row steps (TILE_PASS)."""
-    cost = FIXED
-    for tile, one_pass in TILE_PASS.items():
-        n, rows = divmod(rows, tile)
-        cost += n * one_pass
-    return cost
 
 
 def linear_step_cost(row_cost: float):
