@@ -193,6 +193,7 @@ def to_chat(body: Any, count_only: bool = False) -> dict:
             raise BadRequest("max_tokens is required: an integer >= 1.")
         chat["max_tokens"] = max_tokens
         chat["stream"] = body.get("stream")
+        chat["priority"] = body.get("priority")     # zserve's (SGLang's) extra field
         for key in SAMPLING + CONSTRAINT_EXTRAS:
             chat[key] = body.get(key)
         stops = body.get("stop_sequences")

@@ -50,7 +50,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from api_proc.boundary import BadRequest
-from api_proc.pipeline import Pipeline, Prompt, expand, settle
+from api_proc.pipeline import Pipeline, Prompt, expand, priority_of, settle
 from api_proc.reasoning import StreamSplitter
 from api_proc.reasoning import split as split_reasoning
 from api_proc.state import Dispatcher, RequestState
@@ -130,6 +130,14 @@ def bool_field(body: dict, key: str) -> bool:
     if type(value) is not bool:
         raise OpenAIError(f"{key} must be a boolean.", param=key)
     return value
+
+
+def openai_priority(body: dict) -> int:
+    """`priority` (vLLM's extra field on the OpenAI routes), as pipeline.priority_of."""
+    try:
+        return priority_of(body)
+    except ValueError as e:
+        raise OpenAIError(str(e), param="priority") from None
 
 
 def stream_options(body: dict, stream: bool) -> bool:
@@ -356,7 +364,8 @@ def parse_chat(body: Any, model_id: str, context_length: int, tool_parser: str |
     reqs, warmups = expand([Prompt(messages=messages, template_json=template_json,
                                    image_data=images or None)], [params],
                            [f"chatcmpl-{base}_{j}" for j in range(params.n)], stream=stream,
-                           logprob=logprob_req, fit_context=unset or cap_max_tokens)
+                           logprob=logprob_req, fit_context=unset or cap_max_tokens,
+                           priority=openai_priority(body))
     return ParsedOpenAI(reqs, params.n, stream, include_usage, logprobs, warmups=warmups,
                         tool_choice=choice if forced is not None else None,
                         tool_parser=tool_parser if choice == "auto" else None,

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from api_proc.boundary import BadRequest, JSONResponse, error_response, read_json
-from api_proc.pipeline import Pipeline, Prompt, expand, settle
+from api_proc.pipeline import Pipeline, Prompt, expand, priority_of, settle
 from api_proc.state import Dispatcher, RequestState, SubmitError
 from api_proc.streaming import DONE, KEEPALIVE, SSEResponse, changes, sse
 from wire.messages import MAX_TOP_LOGPROBS, GenerateRequest, LogprobRequest
@@ -23,7 +23,7 @@ from wire.sampling import SamplingParams
 LOGPROB_KEYS = ("return_logprob", "top_logprobs_num", "logprob_start_len",
                 "return_text_in_logprobs")
 KNOWN_KEYS = {"text", "input_ids", "sampling_params", "rid", "stream", "image_data",
-              *LOGPROB_KEYS}
+              "priority", *LOGPROB_KEYS}
 
 # The rest of SGLang's GenerateReqInput. Its clients send many of these on every request
 # (bench_serving: lora_path, return_routed_experts; the router: model, log_metrics, no_logs,
@@ -31,7 +31,7 @@ KNOWN_KEYS = {"text", "input_ids", "sampling_params", "rid", "stream", "image_da
 # Bookkeeping that does not change the output: any value is accepted and ignored.
 SGLANG_IGNORED = frozenset({
     "model", "log_metrics", "no_logs", "custom_labels", "conversation_id", "routing_key",
-    "priority", "received_time", "external_trace_header", "session_id"})
+    "received_time", "external_trace_header", "session_id"})
 # Features zserve does not have: accepted at their default (or null), else a 400.
 SGLANG_DEFAULTS: dict[str, Any] = {
     "input_embeds": None, "video_data": None, "audio_data": None,
@@ -174,10 +174,14 @@ def parse_generate(body: Any) -> ParsedGenerate:
         raise BadRequest("stream must be a boolean.")
     rids = _rids(body, len(prompts), [p.n for p in params], is_batch)
     images = _images(body, len(prompts), is_batch)
+    try:
+        priority = priority_of(body)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
     reqs, warmups = expand([Prompt(text=p, image_data=im) if kind == "text"
                             else Prompt(input_ids=p, image_data=im)
                             for p, im in zip(prompts, images)], params, rids, stream=stream,
-                           logprob=logprob)
+                           logprob=logprob, priority=priority)
     return ParsedGenerate(reqs, is_batch or len(reqs) > 1, stream, text_in_logprobs, warmups)
 
 

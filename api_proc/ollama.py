@@ -128,7 +128,7 @@ def chat_body(body: dict, model: str | None) -> dict:
     tools = body.get("tools") or None
     return {"model": model, "messages": [_message(m, i) for i, m in enumerate(messages)],
             "tools": tools, "stream": body.get("stream", True) is not False,
-            **_sampling(body)}
+            "priority": body.get("priority"), **_sampling(body)}
 
 
 def generate_body(body: dict, model: str | None) -> dict:

@@ -42,8 +42,8 @@ from starlette.routing import Route
 from api_proc.boundary import BadRequest, JSONResponse, read_json
 from api_proc.chat import (ChatCore, Deltas, OpenAIError, ParsedOpenAI, bool_field,
                            check_model, is_ids, finish_reason, logprobs_num, matched_stop,
-                           parse_chat, reject_unsupported, reply, sampling_params,
-                           stream_options)
+                           openai_priority, parse_chat, reject_unsupported, reply,
+                           sampling_params, stream_options)
 from api_proc.pipeline import Prompt, expand, settle
 from api_proc.state import Dispatcher, RequestState, SubmitError
 from api_proc.streaming import DONE, KEEPALIVE, SSEResponse, changes, sse
@@ -107,7 +107,7 @@ def parse_completion(body: Any, model_id: str) -> ParsedOpenAI:
     rids = [f"cmpl-{base}_{i}" for i in range(len(prompts) * params.n)]
     reqs, warmups = expand([Prompt(text=p) if isinstance(p, str) else Prompt(input_ids=p)
                             for p in prompts], [params] * len(prompts), rids,
-                           stream=stream, logprob=logprob_req)
+                           stream=stream, logprob=logprob_req, priority=openai_priority(body))
     return ParsedOpenAI(reqs, params.n, stream, include_usage, logprobs,
                         echo=prompts if echo else None, warmups=warmups)
 

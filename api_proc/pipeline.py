@@ -23,7 +23,7 @@ from starlette.responses import Response
 
 from api_proc.boundary import BadRequest, error_response
 from api_proc.state import Dispatcher, RequestState
-from wire.messages import ChatMessage, GenerateRequest, LogprobRequest, replace
+from wire.messages import MAX_PRIORITY, ChatMessage, GenerateRequest, LogprobRequest, replace
 from wire.sampling import SamplingParams
 
 
@@ -53,19 +53,32 @@ def sample_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 
 def expand(prompts: list[Prompt], params: list[SamplingParams], rids: list[str], *,
-           stream: bool, logprob: LogprobRequest | None, fit_context: bool = False
-           ) -> tuple[list[GenerateRequest], list[GenerateRequest]]:
+           stream: bool, logprob: LogprobRequest | None, fit_context: bool = False,
+           priority: int = 0) -> tuple[list[GenerateRequest], list[GenerateRequest]]:
     """(requests, warm-ups): rids has one entry per sample, prompt-major."""
     reqs, warmups = [], []
     for prompt, p in zip(prompts, params):
         if p.n > 1:
             warmups.append(prompt.request(uuid.uuid4().hex,      # no grammar: no tokens
                                           replace(p, n=1, max_new_tokens=0, min_new_tokens=0,
-                                                  json_schema=None, regex=None, ebnf=None)))
+                                                  json_schema=None, regex=None, ebnf=None),
+                                          priority=priority))
         for one in sample_params(p, p.n):
             reqs.append(prompt.request(rids[len(reqs)], one, stream=stream, logprob=logprob,
-                                       fit_context=fit_context))
+                                       fit_context=fit_context, priority=priority))
     return reqs, warmups
+
+
+def priority_of(body: dict) -> int:
+    """A body's `priority` (SGLang's and vLLM's field): null or an integer; ValueError
+    otherwise. It orders the queue only with --enable-priority-scheduling."""
+    value = body.get("priority")
+    if value is None:
+        return 0
+    if type(value) is not int or not -MAX_PRIORITY <= value <= MAX_PRIORITY:
+        raise ValueError(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], "
+                         f"got {value!r}.")
+    return value
 
 
 async def wait_disconnect(request: Request) -> None:

@@ -201,6 +201,7 @@ def to_chat(body: dict, history: list[dict]) -> tuple[dict, list[dict]]:
                             "max_tokens": body.get("max_output_tokens"),
                             "stream": body.get("stream"), "temperature": body.get("temperature"),
                             "top_p": body.get("top_p"), "response_format": _format(body),
+                            "priority": body.get("priority"),     # as on chat completions
                             **{k: body.get(k) for k in CONSTRAINT_EXTRAS}, **_tools(body)}
     reasoning = body.get("reasoning")
     if reasoning is not None:

@@ -22,7 +22,7 @@ class Req:
                  "finish", "announced", "decode_sent", "first_token_at", "generator", "logprob", "input_logprobs",
                  "pending_logprobs", "held_ids", "grammar", "grammar_future", "images",
                  "image_positions", "key_prompt", "rope_pos", "rope_delta", "image_rope",
-                 "vector", "pooled", "spec")
+                 "vector", "pooled", "spec", "priority")
 
     def __init__(self, msg: TokenizedRequest, device: torch.device | str = "cpu",
                  image_token_id: int | None = None):
@@ -82,6 +82,7 @@ class Req:
         self.pooled: torch.Tensor | None = None
         # Speculative decoding (speculative.py): its proposer's index and measured acceptance.
         self.spec = None
+        self.priority = msg.priority          # --enable-priority-scheduling (scheduler.py)
 
     # ---- logprobs -------------------------------------------------------------------------
 

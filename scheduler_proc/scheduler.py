@@ -44,6 +44,16 @@ Overload (--max-queued-requests N): of the requests that arrived with a step's m
 those still waiting after the step's admission while more than N wait are ended with an
 abort, status 503, newest first. Requests retracted to the queue are never dropped.
 
+Priority (--enable-priority-scheduling): the queue is kept in `rank` order, higher
+`priority` first (lower with --schedule-low-priority-values-first), then arrival; admission
+takes its head as always. When memory runs out the worst-ranked running request is
+retracted rather than the newest, and a waiting request that cannot be admitted (no room,
+or --max-running-requests reached) retracts running ones whose priority is at least
+--priority-scheduling-preemption-threshold worse (`preempt`). Nothing ages a waiting
+request: a steady stream of higher priorities starves lower ones, bounded only by
+--request-timeout and --max-queued-requests (the queue's overflow ends the newest
+arrivals). Without the flag the field is ignored: arrival order, newest retracted first.
+
 Vector requests (embeddings and scores: wire/messages.py VectorRequest) are prefill-only,
 like the n > 1 warm-ups: batched with everything else, they read their answer off their
 prompt's steps (runner.py) and end once the prompt is computed, the answer on their
@@ -123,7 +133,8 @@ class Scheduler:
                                kv.req_to_token.table, runner.context_len)
         self.spec = Speculator.of(args, str(device), draft)     # None without speculation
         self.compiling: list[Req] = []            # waiting for their grammar, in arrival order
-        self.waiting: deque[Req] = deque()
+        self.waiting: deque[Req] = deque()        # arrival order, or rank order (priority)
+        self.by_priority = args.enable_priority_scheduling
         self.running: list[Req] = []              # in admission order
         self.in_flight: dict[str, Req] = {}       # rid -> its Req, waiting or running
         self.arrivals: list[Req] = []             # accepted from this step's messages
@@ -136,6 +147,7 @@ class Scheduler:
         self.prompt_tokens_total = 0
         self.generated_tokens_total = 0
         self.retracted_total = 0
+        self.preempted_total = 0                  # of those, retracted for a higher priority
         self.rejected_total = 0
         self.requests_total = 0                   # accepted (queued) since start
         self.cached_tokens_total = 0
@@ -231,7 +243,7 @@ class Scheduler:
                 req.grammar_future = self.grammars.compile(req.sampling.grammar)
                 self.compiling.append(req)
             else:
-                self.waiting.append(req)
+                self.enqueue(req)
 
     def check(self, msg: TokenizedRequest) -> str | None:
         """Why msg cannot run here (a client-facing message), or None. Repeats what the
@@ -361,7 +373,7 @@ class Scheduler:
                     message=f"Internal error while compiling this request's grammar: "
                             f"{type(e).__name__}: {e}"))
                 continue
-            self.waiting.append(req)
+            self.enqueue(req)
             if not any(req is r for r in self.arrivals):
                 self.admit(req)                   # an arrival: once limit_queue passed it
 
@@ -408,6 +420,8 @@ class Scheduler:
 
     def schedule(self) -> list[Segment]:
         self.make_room()
+        if self.by_priority:
+            self.preempt()
         budget = self.args.chunked_prefill_size
         segments: list[Segment] = []
         for req in self.running:
@@ -507,11 +521,51 @@ class Scheduler:
         return todos.count(1) + min(prefill, self.args.chunked_prefill_size)
 
     def make_room(self) -> None:
-        """Retract the newest running requests until this step's minimum fits."""
+        """Retract the newest (with priorities: the worst-ranked) running requests until this
+        step's minimum fits."""
         while len(self.running) > 1 and self.kv.available < self.step_need():
-            self.retract(self.running[-1])
+            self.retract(max(self.running, key=self.rank) if self.by_priority
+                         else self.running[-1])
 
-    def retract(self, req: Req) -> None:
+    # ---- priority ---------------------------------------------------------------------
+
+    def rank(self, req: Req) -> tuple[int, float]:
+        """Priority order, smallest first: the better priority, then the earlier arrival."""
+        p = req.priority if self.args.schedule_low_priority_values_first else -req.priority
+        return p, req.arrived_at
+
+    def enqueue(self, req: Req, front: bool = False) -> None:
+        """Into the waiting queue: at the back (front: a retracted request), or with
+        priorities at its rank (after those ranked the same or better)."""
+        if not self.by_priority:
+            if front:
+                self.waiting.appendleft(req)
+            else:
+                self.waiting.append(req)
+            return
+        key = self.rank(req)
+        at = next((i for i, r in enumerate(self.waiting) if self.rank(r) > key),
+                  len(self.waiting))
+        self.waiting.insert(at, req)
+
+    def preempt(self) -> None:
+        """The queue's head, if it cannot be admitted now (no room, or the running batch is
+        full), retracts the worst-ranked running requests while their priority is at least
+        --priority-scheduling-preemption-threshold worse than its own."""
+        threshold = max(self.args.priority_scheduling_preemption_threshold, 1)
+        while self.waiting and self.running:
+            head = self.waiting[0]
+            room = self.kv.available - self.reserved()
+            if len(self.running) < self.args.max_running_requests and \
+                    self.admit_cost(head) <= room:
+                return
+            victim = max(self.running, key=self.rank)
+            if self.rank(victim)[0] - self.rank(head)[0] < threshold:
+                return
+            self.retract(victim, why=f"for {head.rid} (priority {head.priority})")
+            self.preempted_total += 1
+
+    def retract(self, req: Req, why: str = "to free KV memory") -> None:
         self.kv.release(req)
         if self.spec is not None:
             self.spec.retracted(req)
@@ -520,10 +574,10 @@ class Scheduler:
         if req.grammar is not None:
             req.grammar.sync(req.output_ids)      # a no-op: the output ids are kept
         self.running.remove(req)
-        self.waiting.appendleft(req)
+        self.enqueue(req, front=True)
         self.retracted_total += 1
         self.new_token_ratio = 1.0
-        log.info("retracted %s (%d tokens) to free KV memory", req.rid, req.seq_len)
+        log.info("retracted %s (%d tokens) %s", req.rid, req.seq_len, why)
 
     # ---- results ------------------------------------------------------------------------
 

@@ -326,7 +326,8 @@ class Tokenizer:
                 f"the completion to fit within the limit.")
         return TokenizedRequest(rid=req.rid, input_ids=ids, sampling=s, stream=req.stream,
                                 logprob=req.logprob, fit_context=req.fit_context,
-                                api=req.api, images=images, vector=req.vector)
+                                api=req.api, images=images, vector=req.vector,
+                                priority=req.priority)
 
     def add_images(self, ids: list[int], sources: list[str]
                    ) -> tuple[list[int], list[ImageFeatures]]:

@@ -83,6 +83,7 @@ class ChatMessage(WireStruct):
 
 
 MAX_TOP_LOGPROBS = 20   # per position, on every route (vLLM's default max_logprobs)
+MAX_PRIORITY = 2**31 - 1  # a request's priority is an int in [-MAX_PRIORITY, MAX_PRIORITY]
 
 
 class LogprobRequest(WireStruct):
@@ -177,6 +178,7 @@ class GenerateRequest(WireStruct, tag=1):
     # (base64, a data: URI, a path or a URL); the tokenizer loads and checks them.
     image_data: list[str] | None = None
     vector: VectorRequest | None = None     # an embedding or a score, not tokens
+    priority: int = 0           # --enable-priority-scheduling: the queue's order (|p| < 2^31)
 
 
 # ---- api -> tokenizer -> scheduler ---------------------------------------------------------
@@ -227,6 +229,7 @@ class TokenizedRequest(WireStruct, tag=3):
     api: int = 0                # GenerateRequest.api, carried on
     images: list[ImageFeatures] | None = None   # in prompt order; None: a text prompt
     vector: VectorRequest | None = None         # GenerateRequest.vector, carried on
+    priority: int = 0                           # GenerateRequest.priority, carried on
 
 
 # ---- detokenizer -> scheduler --------------------------------------------------------------

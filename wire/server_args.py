@@ -159,6 +159,18 @@ class ServerArgs:
                                choices=["last", "mean", "cls"])
     is_embedding: bool = _opt(False, "Serve the model for embeddings only (/v1/embeddings): "
                               "generation and scoring routes answer 400 (SGLang's flag).")
+    enable_priority_scheduling: bool = _opt(False, "Order the waiting queue by each "
+                                            "request's `priority` (higher first), then by "
+                                            "arrival; retract the lowest priority first when "
+                                            "memory runs out; let a waiting request preempt "
+                                            "running ones of much lower priority. Without "
+                                            "it `priority` is accepted and ignored.")
+    schedule_low_priority_values_first: bool = _opt(False, "With priority scheduling: lower "
+                                                    "`priority` values go first.")
+    priority_scheduling_preemption_threshold: int = _opt(10, "With priority scheduling: a "
+                                                         "waiting request preempts (retracts) "
+                                                         "running ones whose priority is at "
+                                                         "least this much lower.")
     # ---- speculative decoding (docs/performance.md: "Speculative decoding") ----
     speculative_algorithm: str | None = _opt(None, "Guess tokens and verify several in one "
                                              "forward, keeping those the model agrees with "
@@ -298,6 +310,8 @@ class ServerArgs:
                 not os.path.isdir(self.allowed_local_media_path):
             _refuse(f"--allowed-local-media-path {self.allowed_local_media_path}: not a "
                     f"directory")
+        if self.priority_scheduling_preemption_threshold < 0:
+            _refuse("--priority-scheduling-preemption-threshold must not be negative")
         if self.speculative_ngram_min_match_window_size > \
                 self.speculative_ngram_max_match_window_size:
             _refuse("--speculative-ngram-min-match-window-size must not exceed "

@@ -1,0 +1,131 @@
+"""Priority scheduling (--enable-priority-scheduling; scheduler.py's `rank`, `enqueue`,
+`preempt`): with test_scheduler_unit's fake runner, requests queued behind a running one
+start in priority order (higher first, or lower with --schedule-low-priority-values-first;
+arrival order without the flag); a waiting request preempts a running one whose priority is
+at least the threshold lower, which resumes later with its output intact; memory pressure
+retracts the worst-ranked request, not the newest. Served: `priority` reaches the scheduler
+from /generate and the OpenAI routes, and a bad one is a 400."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from test_scheduler_unit import finishes, make, request, run_until_idle, token_after
+from tests.server import serving, wait_running, wait_until
+from wire.messages import replace
+
+
+def first_tokens(batches) -> list[str]:
+    """The rids in the order their first token came out."""
+    order: list[str] = []
+    for b in batches:
+        for o in b.outputs:
+            if o.new_ids and o.rid not in order:
+                order.append(o.rid)
+    return order
+
+
+def queued(priorities: dict[str, int], **flags) -> list[str]:
+    """One request running (max_running 1) while the others queue with these priorities;
+    the order the queued ones start in."""
+    s, batches, _ = make(max_running=1, **flags)
+    s.step([request("first", max_new_tokens=3, ignore_eos=True)])
+    run_until_idle(s, [_with_priority(request(rid, max_new_tokens=2, ignore_eos=True), p)
+                       for rid, p in priorities.items()])
+    assert set(finishes(batches)) == {"first", *priorities}
+    return [rid for rid in first_tokens(batches) if rid != "first"]
+
+
+def _with_priority(msg, priority: int):
+    return replace(msg, priority=priority)
+
+
+PRIORITIES = {"a": 0, "b": 5, "c": 1, "d": 5}
+
+
+def test_the_queue_starts_in_priority_order():
+    assert queued(PRIORITIES, enable_priority_scheduling=True) == ["b", "d", "c", "a"]
+    assert queued(PRIORITIES, enable_priority_scheduling=True,
+                  schedule_low_priority_values_first=True) == ["a", "c", "b", "d"]
+    assert queued(PRIORITIES) == ["a", "b", "c", "d"]          # without the flag: arrival
+
+
+def test_a_much_higher_priority_preempts_and_the_preempted_resumes_intact():
+    for gap, preempts in ((20, True), (5, False)):
+        s, batches, _ = make(max_running=1, enable_priority_scheduling=True)
+        s.step([request("low", max_new_tokens=30, ignore_eos=True)])
+        for _ in range(3):
+            s.step([])
+        run_until_idle(s, [_with_priority(request("high", max_new_tokens=4, ignore_eos=True),
+                                          gap)])
+        ends = finishes(batches)
+        assert ends["low"].type == ends["high"].type == "length"
+        order = [o.rid for b in batches for o in b.outputs if o.finish is not None]
+        assert order == (["high", "low"] if preempts else ["low", "high"]), (gap, order)
+        assert s.preempted_total == (1 if preempts else 0)
+        low = [i for b in batches for o in b.outputs if o.rid == "low" for i in o.new_ids]
+        assert low == [token_after(3 + i) for i in range(30)]     # nothing lost or repeated
+        assert s.kv.pool.num_free + s.kv.evictable == s.kv.pool.size
+
+
+def test_memory_pressure_retracts_the_lowest_priority_first():
+    """Two requests overcommit a small pool (test_scheduler_unit's case); the one retracted
+    is the lower priority, here the earlier arrival (without priorities, the newer)."""
+    for flags, victim in (({"enable_priority_scheduling": True}, "old-low"),
+                          ({}, "new-high")):
+        s, batches, _ = make(pool=50, max_running=2, **flags)     # as test_scheduler_unit's
+        s.step([_with_priority(request("old-low", max_new_tokens=30, ignore_eos=True), 0),
+                _with_priority(request("new-high", max_new_tokens=30, ignore_eos=True), 9)])
+        retracted = []
+        for _ in range(200):
+            running = {r.rid for r in s.running}
+            s.step([])
+            retracted += [rid for rid in running - {r.rid for r in s.running}
+                          if rid not in finishes(batches)]
+            if s.idle:
+                break
+        assert retracted and retracted[0] == victim, (flags, retracted)
+        assert finishes(batches)["old-low"].type == finishes(batches)["new-high"].type \
+            == "length"
+
+
+@pytest.mark.e2e
+def test_priority_reaches_the_scheduler_over_http(tiny_model, tmp_path):
+    """One request at a time: while a long one runs, three of priorities 1, 7 and 3 queue
+    (over /generate and /v1/completions); the long one is aborted and they are answered in
+    priority order. A priority that is not an integer is a 400 on each route."""
+    with serving(tiny_model("llama"), "--enable-priority-scheduling",
+                 "--max-running-requests", "1", tmpdir=tmp_path) as s:
+        done: list[str] = []
+
+        def ask(name: str, priority: int, n: int, route: str = "native") -> None:
+            if route == "native":
+                s.generate_ok(text=name, rid=name, priority=priority, sampling_params={
+                    "max_new_tokens": n, "ignore_eos": True})
+            else:
+                r = s.client.post("/v1/completions", json={
+                    "prompt": name, "max_tokens": n, "priority": priority,
+                    "ignore_eos": True})
+                assert r.status_code == 200, r.text
+            done.append(name)
+        blocker = threading.Thread(target=ask, args=("blocker", 0, 480))
+        blocker.start()
+        wait_running(s)
+        waiters = [threading.Thread(target=ask, args=(f"p{p}", p, 4, route))
+                   for p, route in ((1, "native"), (7, "openai"), (3, "native"))]
+        for t in waiters:
+            t.start()
+        wait_until(lambda: s.server_info()["queued_requests"] == 3,
+                   what="three requests queued behind the long one")
+        assert s.client.post("/abort_request", json={"rid": "blocker"}).json()["aborted"] == 1
+        for t in [blocker, *waiters]:
+            t.join(timeout=120)
+        assert done == ["blocker", "p7", "p3", "p1"], done
+        for path, body in (("/generate", {"text": "x", "priority": "high"}),
+                           ("/v1/completions", {"prompt": "x", "priority": 1.5}),
+                           ("/v1/chat/completions", {"messages": [
+                               {"role": "user", "content": "x"}], "priority": 2**40})):
+            r = s.client.post(path, json=body)
+            assert r.status_code == 400 and "priority" in r.text, (path, r.text)
