@@ -35,7 +35,7 @@ from api_proc.responses import ResponsesHandler
 from api_proc.state import Dispatcher
 from api_proc.tokenize_routes import TokenizeHandler
 from wire import VERSION
-from wire.messages import GenerateRequest, SchedulerLoad, VectorRequest, replace
+from wire.messages import MAX_PRIORITY, GenerateRequest, SchedulerLoad, VectorRequest, replace
 from wire.sampling import SamplingParams
 from wire.server_args import ServerConfig
 
@@ -155,8 +155,11 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
         (under --is-embedding, the embedding of token id 0)."""
         if dispatcher.lost:
             return error_response(f"Server unhealthy: {dispatcher.lost}", 503)
+        # The best priority: a probe queued behind a priority load would time out.
+        best = -MAX_PRIORITY if args.schedule_low_priority_values_first else MAX_PRIORITY
         probe = GenerateRequest(rid=f"health-{uuid.uuid4().hex}", text=None, input_ids=[0],
-                                sampling=SamplingParams(max_new_tokens=1, temperature=0.0))
+                                sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
+                                priority=best)
         if args.is_embedding:
             probe = replace(probe, sampling=SamplingParams(max_new_tokens=0),
                             vector=VectorRequest("last"))

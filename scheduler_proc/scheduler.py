@@ -42,17 +42,18 @@ stays valid (Matcher.sync checks).
 
 Overload (--max-queued-requests N): of the requests that arrived with a step's messages,
 those still waiting after the step's admission while more than N wait are ended with an
-abort, status 503, newest first. Requests retracted to the queue are never dropped.
+abort, status 503, newest first (with priorities, worst-ranked first). Requests retracted
+to the queue are never dropped.
 
 Priority (--enable-priority-scheduling): the queue is kept in `rank` order, higher
 `priority` first (lower with --schedule-low-priority-values-first), then arrival; admission
 takes its head as always. When memory runs out the worst-ranked running request is
 retracted rather than the newest, and a waiting request that cannot be admitted (no room,
-or --max-running-requests reached) retracts running ones whose priority is at least
---priority-scheduling-preemption-threshold worse (`preempt`). Nothing ages a waiting
-request: a steady stream of higher priorities starves lower ones, bounded only by
---request-timeout and --max-queued-requests (the queue's overflow ends the newest
-arrivals). Without the flag the field is ignored: arrival order, newest retracted first.
+or --max-running-requests reached) retracts running ones whose priority is more than
+--priority-scheduling-preemption-threshold worse (`preempt`), if that lets it in; such a
+retraction does not raise the memory estimate. Nothing ages a waiting request: a steady
+stream of higher priorities starves lower ones, bounded only by --request-timeout (off by
+default). Without the flag the field is ignored: arrival order, newest retracted first.
 
 Vector requests (embeddings and scores: wire/messages.py VectorRequest) are prefill-only,
 like the n > 1 warm-ups: batched with everything else, they read their answer off their
@@ -69,6 +70,7 @@ it outside tests.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import os
@@ -84,7 +86,7 @@ from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.request import Req
 from scheduler_proc.runner import Segment, leaves_device_unknown
 from scheduler_proc.speculative import Speculator, accepted_run
-from wire.messages import (MAX_TOP_LOGPROBS, AbortRequest, ControlReply, DecodeParams,
+from wire.messages import (MAX_PRIORITY, MAX_TOP_LOGPROBS, AbortRequest, ControlReply, DecodeParams,
                            FinishReason, FlushCacheRequest, Logprobs, ReleaseRequest,
                            SchedulerLoad, TokenBatch, TokenizedRequest, TokenOutput, replace)
 from wire.server_args import ServerArgs
@@ -252,6 +254,8 @@ class Scheduler:
         vocab, context = self.vocab_size, self.runner.context_len
         if not ids:
             return "The input is empty."
+        if not -MAX_PRIORITY <= msg.priority <= MAX_PRIORITY:
+            return f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]."
         if min(ids) < 0 or max(ids) >= vocab:
             bad = next(t for t in ids if not 0 <= t < vocab)
             return f"Token id {bad} in input_ids is outside the vocabulary [0, {vocab})."
@@ -317,7 +321,9 @@ class Scheduler:
         arrivals, self.arrivals = self.arrivals, []
         limit = self.args.max_queued_requests
         queued = len(self.waiting) + len(self.compiling)
-        for req in reversed(arrivals):            # newest first
+        # Newest first; with priorities the worst-ranked first.
+        for req in (sorted(arrivals, key=self.rank, reverse=True) if self.by_priority
+                    else reversed(arrivals)):
             if limit is None or queued <= limit:
                 break
             if req.finish is None and req.row is None:    # not admitted, not ended
@@ -408,11 +414,14 @@ class Scheduler:
 
     # ---- scheduling ---------------------------------------------------------------------
 
+    def _reservation(self, r: Req) -> int:
+        """What `reserved` counts for running request r."""
+        return r.seq_len - r.num_computed + math.ceil(
+            (r.sampling.max_new_tokens - len(r.output_ids)) * self.new_token_ratio)
+
     def reserved(self) -> int:
         """Slots the running requests are expected to still need (estimated)."""
-        return sum(r.seq_len - r.num_computed +
-                   math.ceil((r.sampling.max_new_tokens - len(r.output_ids))
-                             * self.new_token_ratio) for r in self.running)
+        return sum(self._reservation(r) for r in self.running)
 
     def admit_cost(self, req: Req) -> int:
         remaining = req.sampling.max_new_tokens - len(req.output_ids)
@@ -543,29 +552,42 @@ class Scheduler:
             else:
                 self.waiting.append(req)
             return
-        key = self.rank(req)
-        at = next((i for i, r in enumerate(self.waiting) if self.rank(r) > key),
-                  len(self.waiting))
-        self.waiting.insert(at, req)
+        self.waiting.insert(bisect.bisect_right(self.waiting, self.rank(req), key=self.rank),
+                            req)
 
     def preempt(self) -> None:
         """The queue's head, if it cannot be admitted now (no room, or the running batch is
-        full), retracts the worst-ranked running requests while their priority is at least
-        --priority-scheduling-preemption-threshold worse than its own."""
-        threshold = max(self.args.priority_scheduling_preemption_threshold, 1)
-        while self.waiting and self.running:
-            head = self.waiting[0]
-            room = self.kv.available - self.reserved()
-            if len(self.running) < self.args.max_running_requests and \
-                    self.admit_cost(head) <= room:
-                return
-            victim = max(self.running, key=self.rank)
-            if self.rank(victim)[0] - self.rank(head)[0] < threshold:
-                return
-            self.retract(victim, why=f"for {head.rid} (priority {head.priority})")
+        full), retracts the worst-ranked running requests whose priority is more than
+        --priority-scheduling-preemption-threshold worse than its own (SGLang's rule), as
+        many as it takes, and only if that many would let it in."""
+        if not (self.waiting and self.running):
+            return
+        head, threshold = self.waiting[0], self.args.priority_scheduling_preemption_threshold
+        room = self.kv.available - self.reserved()
+        cost = self.admit_cost(head)
+        if len(self.running) < self.args.max_running_requests and cost <= room:
+            return
+        victims: list[Req] = []
+        for victim in sorted(self.running, key=self.rank, reverse=True):
+            if self.rank(victim)[0] - self.rank(head)[0] <= threshold:
+                return                          # nobody else may go: it cannot get in
+            victims.append(victim)
+            room += len(victim.slots) + self._reservation(victim)
+            if len(self.running) - len(victims) < self.args.max_running_requests and \
+                    cost <= room:
+                break
+        else:
+            return
+        for victim in victims:
+            self.retract(victim, why=f"for {head.rid} (priority {head.priority})",
+                         raise_ratio=False)
             self.preempted_total += 1
 
-    def retract(self, req: Req, why: str = "to free KV memory") -> None:
+    def retract(self, req: Req, why: str = "to free KV memory",
+                raise_ratio: bool = True) -> None:
+        """Back to the queue, its KV to the prefix cache, its outputs kept. raise_ratio:
+        reserve more for the running requests from now on (memory ran out; not when a
+        higher priority made the room)."""
         self.kv.release(req)
         if self.spec is not None:
             self.spec.retracted(req)
@@ -576,7 +598,8 @@ class Scheduler:
         self.running.remove(req)
         self.enqueue(req, front=True)
         self.retracted_total += 1
-        self.new_token_ratio = 1.0
+        if raise_ratio:
+            self.new_token_ratio = 1.0
         log.info("retracted %s (%d tokens) %s", req.rid, req.seq_len, why)
 
     # ---- results ------------------------------------------------------------------------

@@ -129,3 +129,27 @@ def test_priority_reaches_the_scheduler_over_http(tiny_model, tmp_path):
                                {"role": "user", "content": "x"}], "priority": 2**40})):
             r = s.client.post(path, json=body)
             assert r.status_code == 400 and "priority" in r.text, (path, r.text)
+
+
+def test_preemption_only_when_it_lets_the_request_in():
+    """A high priority that would still not fit after retracting every request it may
+    (one: the other is within the threshold) retracts none; one that fits after the
+    retraction gets in, and the memory estimate is not raised by it."""
+    s, batches, _ = make(pool=60, max_running=2, enable_priority_scheduling=True)
+    s.step([_with_priority(request("keep", max_new_tokens=30, ignore_eos=True), 25),
+            _with_priority(request("low", max_new_tokens=5, ignore_eos=True), 0)])
+    s.step([_with_priority(request("big", list(range(1, 41)), max_new_tokens=10,
+                                   ignore_eos=True), 30)])
+    assert s.preempted_total == 0 and {r.rid for r in s.running} == {"keep", "low"}
+    run_until_idle(s)
+    assert set(finishes(batches)) == {"keep", "low", "big"}
+
+    s, batches, _ = make(pool=400, max_running=2, enable_priority_scheduling=True)
+    s.step([request("a", max_new_tokens=30, ignore_eos=True),
+            request("b", max_new_tokens=30, ignore_eos=True)])
+    ratio = s.new_token_ratio
+    s.step([_with_priority(request("urgent", max_new_tokens=3, ignore_eos=True), 11)])
+    assert s.preempted_total == 1 and "urgent" in {r.rid for r in s.running}
+    assert s.new_token_ratio <= ratio < 1.0
+    run_until_idle(s)
+    assert all(f.type == "length" for f in finishes(batches).values())

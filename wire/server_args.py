@@ -169,8 +169,8 @@ class ServerArgs:
                                                     "`priority` values go first.")
     priority_scheduling_preemption_threshold: int = _opt(10, "With priority scheduling: a "
                                                          "waiting request preempts (retracts) "
-                                                         "running ones whose priority is at "
-                                                         "least this much lower.")
+                                                         "running ones whose priority is "
+                                                         "more than this much lower.")
     # ---- speculative decoding (docs/performance.md: "Speculative decoding") ----
     speculative_algorithm: str | None = _opt(None, "Guess tokens and verify several in one "
                                              "forward, keeping those the model agrees with "
