@@ -244,11 +244,13 @@ def metrics() -> Metrics:
 
 
 def request_line(rid: str, route: str, out: TextOutput, ttft: float | None,
-                 e2e: float | None) -> str:
+                 e2e: float | None, priority: int = 0) -> str:
     f = out.finish
     reason = f.type if f is not None else "abort"
     if f is not None and f.status_code is not None:
         reason += f" {f.status_code}"
+    if priority:
+        reason += f"; priority {priority}"
 
     def secs(x: float | None) -> str:
         return "-" if x is None else f"{x:.3f}"

@@ -76,7 +76,7 @@ class RequestState:
 
     __slots__ = ("rid", "user_rid", "timing", "pending", "arrived", "listener", "text",
                  "output_ids", "last", "logprob", "output_logprobs", "input_logprobs",
-                 "text_in_logprobs", "sent", "timer", "route")
+                 "text_in_logprobs", "sent", "timer", "route", "priority")
 
     def __init__(self, rid: str, logprob: LogprobRequest | None = None,
                  user_rid: str | None = None):
@@ -95,6 +95,7 @@ class RequestState:
         self.text_in_logprobs = False           # SGLang's return_text_in_logprobs
         self.sent = (0, 0)                      # text and ids handed out by unsent()
         self.timer: asyncio.TimerHandle | None = None   # --request-timeout
+        self.priority = 0                       # its priority (the request log line)
         self.route: str | None = None           # the route it came through (metrics, logs);
                                                 # None: internal (probes, warm-ups)
 
@@ -288,6 +289,7 @@ class Dispatcher:
         for req, wire, frame in zip(reqs, sent, frames):
             state = RequestState(wire.rid, req.logprob, user_rid=req.rid)
             state.route = route
+            state.priority = req.priority
             self.states[wire.rid] = state
             self.rids[req.rid] = wire.rid
             if self.admission.timeout is not None:
@@ -318,7 +320,8 @@ class Dispatcher:
         metrics().finished(out, state.route, t.first_token_latency, t.e2e_latency)
         if request_log.isEnabledFor(logging.INFO):
             request_log.info("%s", request_line(state.user_rid, state.route, out,
-                                                t.first_token_latency, t.e2e_latency))
+                                                t.first_token_latency, t.e2e_latency,
+                                                state.priority))
             if self.log_requests:
                 request_log.info("request %s out: %s", state.user_rid,
                                  clip(repr(state.text + "".join(o.text for o in

@@ -117,6 +117,7 @@ def test_priority_reaches_the_scheduler_over_http(tiny_model, tmp_path):
             t.join(timeout=120)
         ended = re.findall(r"request (blocker|p\d) generate:", s.logs())
         assert ended == ["blocker", "p7", "p3", "p1"], ended
+        assert re.search(r"request p7 generate: .*; length; priority 7", s.logs())
         r = s.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2,
                                                    "priority": 5})
         assert r.status_code == 200, r.text
