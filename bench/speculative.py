@@ -145,6 +145,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--spec-flags", default="",
+                    help="more launch.py flags for the speculating server (one string)")
     ap.add_argument("--draft-model-path", default=None,
                     help="speculate with this draft model (STANDALONE) instead of n-grams")
     ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary")
@@ -159,7 +161,8 @@ def main(argv=None) -> None:
     how = ["--speculative-algorithm", "NGRAM"] if args.draft_model_path is None else \
         ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path",
          args.draft_model_path]
-    spec = Server(args.model_path, *how, tmpdir=tmp, one_thread=False)
+    spec = Server(args.model_path, *how, *args.spec_flags.split(), tmpdir=tmp,
+                  one_thread=False)
     try:
         model_file = plain.server_info()["model_path"]
         for name in names:                       # warm-up: each server, each workload once
