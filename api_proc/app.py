@@ -74,6 +74,7 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
             "prompt_tokens_total": load.prompt_tokens_total,
             "generated_tokens_total": load.generated_tokens_total,
             "retracted_total": load.retracted_total,
+            "preempted_total": load.preempted_total,
             "rejected_total": load.rejected_total,
             "requests_total": load.requests_total,
             "api_server": dispatcher.index,

@@ -159,9 +159,14 @@ class LoadCollector:
         retracted = CounterMetricFamily("zserve:retracted_requests", "Requests retracted "
                                         "to free KV memory (the scheduler's count).",
                                         labels=["dp_rank"])
+        preempted = CounterMetricFamily("zserve:preempted_requests", "Of those, retracted "
+                                        "for a request of higher priority "
+                                        "(--enable-priority-scheduling).", labels=["dp_rank"])
         for r, x in sorted(self.loads.items()):
             retracted.add_metric([str(r)], x.retracted_total)
+            preempted.add_metric([str(r)], x.preempted_total)
         yield retracted
+        yield preempted
         yield GaugeMetricFamily("zserve:gen_throughput", "Generated tokens per second over "
                                 f"the last {THROUGHPUT_WINDOW:g} s (all replicas).",
                                 value=self.throughput)

@@ -744,6 +744,7 @@ class Scheduler:
                              prompt_tokens_total=self.prompt_tokens_total,
                              generated_tokens_total=self.generated_tokens_total,
                              retracted_total=self.retracted_total,
+                             preempted_total=self.preempted_total,
                              rejected_total=self.rejected_total,
                              requests_total=self.requests_total,
                              cached_tokens_total=self.cached_tokens_total,

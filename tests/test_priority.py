@@ -115,6 +115,8 @@ def test_priority_reaches_the_scheduler_over_http(tiny_model, tmp_path):
         assert s.client.post("/abort_request", json={"rid": "blocker"}).json()["aborted"] == 1
         for t in [blocker, *waiters]:
             t.join(timeout=120)
+        assert "zserve:preempted_requests_total" in s.client.get("/metrics").text
+        assert s.server_info()["preempted_total"] == 0       # no gap above the threshold
         ended = re.findall(r"request (blocker|p\d) generate:", s.logs())
         assert ended == ["blocker", "p7", "p3", "p1"], ended
         assert re.search(r"request p7 generate: .*; length; priority 7", s.logs())

@@ -296,6 +296,7 @@ class SchedulerLoad(WireStruct):
     prompt_tokens_total: int = 0        # counters since start
     generated_tokens_total: int = 0
     retracted_total: int = 0
+    preempted_total: int = 0            # of those, retracted for a higher priority
     rejected_total: int = 0             # forged or invalid requests the scheduler refused
     requests_total: int = 0             # requests accepted since start
     cached_tokens_total: int = 0        # prompt tokens found in the prefix cache, since start
