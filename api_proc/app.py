@@ -85,10 +85,11 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
         """Where the server speculates: its totals, and SGLang's internal_states entry."""
         if args.speculative_algorithm is None:
             return {}
-        verify, accepted = load.spec_verify_total, load.spec_accepted_total
-        length = (accepted + verify) / verify if verify else None
-        return {"speculative": {"verify_steps": verify, "draft_tokens": load.spec_draft_total,
-                                "accepted_tokens": accepted, "accept_length": length,
+        length = load.spec_accept_length
+        return {"speculative": {"verify_steps": load.spec_verify_total,
+                                "draft_tokens": load.spec_draft_total,
+                                "accepted_tokens": load.spec_accepted_total,
+                                "accept_length": length,
                                 "accept_length_hist": load.spec_accept_hist},
                 "internal_states": [{"avg_spec_accept_length": length}]}
 

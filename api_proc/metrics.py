@@ -198,7 +198,7 @@ class LoadCollector:
             kept.add_metric([str(r)], accepted)
             rate.add_metric([str(r)], accepted / x.spec_draft_total if x.spec_draft_total
                             else 0.0)
-            length.add_metric([str(r)], (accepted + verify) / verify if verify else 0.0)
+            length.add_metric([str(r)], x.spec_accept_length or 0.0)
             counts, buckets = 0, []
             for m, n in enumerate(x.spec_accept_hist):
                 if m:

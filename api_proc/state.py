@@ -31,6 +31,7 @@ from wire.addresses import Addresses
 from wire.messages import (AbortRequest, ApiControl, ControlReply, FinishReason,
                            FlushCacheRequest, PeerAbort, PeerAbortReply,
                            GenerateRequest, LogprobRequest, Logprobs, SchedulerLoad, SpecStats,
+                           accept_length,
                            TextBatch, TextOutput, replace)
 from wire.codec import API_INBOX, encode
 from wire.sockets import AsyncInbox, Outbox
@@ -517,8 +518,7 @@ def spec_meta(spec: SpecStats) -> dict:
             "spec_accept_token_num": spec.accepted_tokens,
             "spec_accept_rate": spec.accepted_tokens / spec.draft_tokens
             if spec.draft_tokens else None,
-            "spec_accept_length": (spec.accepted_tokens + spec.verify_ct) / spec.verify_ct
-            if spec.verify_ct else None}
+            "spec_accept_length": accept_length(spec.accepted_tokens, spec.verify_ct)}
 
 
 def total_load(loads: list[SchedulerLoad]) -> SchedulerLoad:

@@ -220,9 +220,8 @@ class Detokenizer:
         every id alone, so a piece of a multi-byte character shows as U+FFFD)."""
         if lp is None:
             return None
-        if keep is not None and keep < len(lp.token_ids):
-            lp = Logprobs(lp.token_ids[:keep], lp.logprobs[:keep], lp.top_ids[:keep],
-                          lp.top_logprobs[:keep])
+        if keep is not None:
+            lp = lp.head(keep)
         decode = self.tokenizer.decode
         lp.texts = [decode([t]) for t in lp.token_ids]
         lp.top_texts = [[decode([t]) for t in ids] for ids in lp.top_ids]

@@ -27,7 +27,7 @@ import logging
 
 import torch
 
-from models import load_model
+from models import describe_weights, load_model
 from models.ops import decode_kernel_fits
 from models.quant_linear import step_batch
 from scheduler_proc.attention import StepAttention
@@ -38,17 +38,6 @@ log = logging.getLogger(__name__)
 
 CATCH_UP_CHUNK = 512        # positions the draft catches up in a step at most (a long
                             # prompt over several steps, drafting only once caught up)
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """The bytes of a model's parameters and buffers (packed or quantized weights are
-    buffers), shared tensors once."""
-    seen, total = set(), 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
 
 
 class DraftModel(Proposer):
@@ -71,7 +60,8 @@ class DraftModel(Proposer):
                                                 c.head_dim, dtype)
         # A decode step reads every weight once: a draft costs about its weights' bytes
         # over the served model's, in the served model's one-row steps.
-        self.draft_cost = weight_bytes(self.model) / max(weight_bytes(target), 1)
+        self.draft_cost = (describe_weights(self.model)["bytes"] /
+                           max(describe_weights(target)["bytes"], 1))
         log.info("draft model %s (%s, %d layers, %.0f%% of the served model's weight "
                  "bytes), its KV pool %d tokens", path, c.architecture, c.num_layers,
                  100 * self.draft_cost, pool_size)

@@ -476,8 +476,7 @@ def _verify_rows(logits: torch.Tensor, req: Req, draft: list[int],
                  eos_ids: list[int]) -> list[int]:
     """verify, one row at a time: the output ids and the matcher advance over each
     accepted draft for the next row's penalties, bans and mask, and are put back after."""
-    s = req.sampling
-    stops = set(s.stop_token_ids) | (set() if s.ignore_eos else set(eos_ids))
+    stops = req.sampling.stop_ids(eos_ids)
     n_out, consumed, broken = len(req.output_ids), 0, False
     kept: list[int] = []
     logprobs = None
@@ -503,11 +502,11 @@ def _verify_rows(logits: torch.Tensor, req: Req, draft: list[int],
     finally:
         del req.output_ids[n_out:]
         if req.grammar is not None:
-            if not broken:
-                req.grammar.rollback(consumed)
-            if broken or req.grammar.consumed < 0:      # rebuilt from the output ids
-                req.grammar.consumed = -1
-                req.grammar.sync(req.output_ids)
+            if broken:
+                req.grammar.consumed = -1               # stale: rebuilt by sync
+            else:
+                req.grammar.rollback(consumed)          # (marks it stale if it cannot)
+            req.grammar.sync(req.output_ids)
     req.pending_logprobs = logprobs
     return kept
 

@@ -87,7 +87,7 @@ from scheduler_proc.request import Req
 from scheduler_proc.runner import Segment, leaves_device_unknown
 from scheduler_proc.speculative import Speculator, accepted_run
 from wire.messages import (MAX_PRIORITY, MAX_TOP_LOGPROBS, AbortRequest, ControlReply, DecodeParams,
-                           FinishReason, FlushCacheRequest, Logprobs, ReleaseRequest,
+                           FinishReason, FlushCacheRequest, ReleaseRequest,
                            SchedulerLoad, TokenBatch, TokenizedRequest, TokenOutput, replace)
 from wire.server_args import ServerArgs
 
@@ -491,10 +491,9 @@ class Scheduler:
                 if leaves_device_unknown(e):
                     raise
                 log.error("proposing drafts for request %s failed", req.rid, exc_info=e)
-                req.spec.draft_done = 0
+                self.spec.reset(req)
                 draft = []
-            stops = set(req.sampling.stop_token_ids) | \
-                (set() if req.sampling.ignore_eos else self.eos_ids)
+            stops = req.sampling.stop_ids(self.eos_ids)
             for i, token in enumerate(draft):
                 if token in stops:
                     draft = draft[:i + 1]
@@ -590,7 +589,7 @@ class Scheduler:
         higher priority made the room)."""
         self.kv.release(req)
         if self.spec is not None:
-            self.spec.retracted(req)
+            self.spec.reset(req)
         if not req.announced:
             req.reset_input_logprobs()
         if req.grammar is not None:
@@ -633,13 +632,8 @@ class Scheduler:
                 # accepted ones are given back before anything caches this request's KV.
                 self.truncate(req, seg.start + len(new_ids))
                 self.spec.record(req, len(seg.draft), accepted_run(seg.draft, new_ids))
-                lp = req.pending_logprobs
-                if lp is not None and len(lp.token_ids) > len(new_ids):
-                    req.pending_logprobs = Logprobs(
-                        token_ids=lp.token_ids[:len(new_ids)],
-                        logprobs=lp.logprobs[:len(new_ids)],
-                        top_ids=lp.top_ids[:len(new_ids)],
-                        top_logprobs=lp.top_logprobs[:len(new_ids)])
+                if req.pending_logprobs is not None:
+                    req.pending_logprobs = req.pending_logprobs.head(len(new_ids))
             if reason is not None:
                 self.finish(req, reason, new_ids=new_ids)
             else:

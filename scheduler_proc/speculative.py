@@ -91,9 +91,6 @@ class Proposer:
     def flush(self) -> None:
         """Forget what finished requests said (/flush_cache)."""
 
-    def retracted(self, req) -> None:
-        """req was retracted: its KV slots went back to the pool."""
-
 
 class NgramProposer(Proposer):
     """Prompt lookup, in the request's own tokens and in what finished requests said. Each
@@ -216,8 +213,6 @@ class Speculator:
     max_draft: int
     step_cost: Callable[[int], float]
     drafted_total: int = 0
-    accepted_total: int = 0
-    verify_total: int = 0
     accept_lengths: list[int] = field(default_factory=list)   # [m]: verify steps keeping m
                                                                # tokens (index 0 unused)
 
@@ -298,10 +293,15 @@ class Speculator:
         if req.spec is not None:
             req.spec.draft_done = min(req.spec.draft_done, n)
 
-    def retracted(self, req) -> None:
+    @property
+    def accepted_total(self) -> int:
+        return sum((m - 1) * n for m, n in enumerate(self.accept_lengths) if m)
+
+    def reset(self, req) -> None:
+        """What req's proposer computed over its KV is unknown (it was retracted, or a
+        proposal failed): a draft model starts it again from position 0."""
         if req.spec is not None:
             req.spec.draft_done = 0
-            self.proposer.retracted(req)
 
     def record(self, req, drafted: int, accepted: int) -> None:
         """A verify step of req: `drafted` drafts, the first `accepted` of them kept."""
@@ -311,9 +311,7 @@ class Speculator:
         s.verify_ct += 1
         s.drafted += drafted
         s.accepted_total += accepted
-        self.verify_total += 1
         self.drafted_total += drafted
-        self.accepted_total += accepted
         self.accept_lengths[min(accepted + 1, len(self.accept_lengths) - 1)] += 1
 
 

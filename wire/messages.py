@@ -105,6 +105,13 @@ class Logprobs(WireStruct):
     texts: list[str] = field(default_factory=list)
     top_texts: list[list[str]] = field(default_factory=list)
 
+    def head(self, n: int) -> "Logprobs":
+        """The first n positions (self when it has no more; texts not kept)."""
+        if n >= len(self.token_ids):
+            return self
+        return Logprobs(self.token_ids[:n], self.logprobs[:n], self.top_ids[:n],
+                        self.top_logprobs[:n])
+
     def extend(self, other: "Logprobs") -> None:
         self.token_ids += other.token_ids
         self.logprobs += other.logprobs
@@ -253,6 +260,12 @@ class DecodeParams(WireStruct):
     api: int = 0                        # the API process the rid's outputs go to
 
 
+def accept_length(accepted: int, verify_steps: int) -> float | None:
+    """Tokens a verify step made on average: the drafts it kept and its own (SGLang's
+    spec_accept_length); None before any verify step."""
+    return (accepted + verify_steps) / verify_steps if verify_steps else None
+
+
 class SpecStats(WireStruct):
     """A request's speculative decoding so far (scheduler_proc/speculative.py), on each of
     its outputs where the server speculates: verify steps (steps in which its rows carried
@@ -316,6 +329,10 @@ class SchedulerLoad(WireStruct):
     @property
     def spec_accepted_total(self) -> int:
         return sum((m - 1) * n for m, n in enumerate(self.spec_accept_hist) if m)
+
+    @property
+    def spec_accept_length(self) -> float | None:
+        return accept_length(self.spec_accepted_total, self.spec_verify_total)
 
     @property
     def kv_used(self) -> int:

@@ -87,6 +87,10 @@ class SamplingParams(WireStruct):
     def is_greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
 
+    def stop_ids(self, eos_ids) -> set[int]:
+        """The tokens that end this request: its stop_token_ids, and EOS unless ignored."""
+        return set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_ids))
+
     @property
     def grammar(self) -> tuple[str, str] | None:
         """(kind, text) of the request's constraint, kind one of GRAMMAR_KEYS, or None: the
