@@ -499,7 +499,7 @@ def serve(config: ServerConfig, listener: socket.socket,
         infos = children.wait_ready()
         pools = [infos[worker_title("scheduler", r)]["max_total_tokens"]
                  for r in range(len(addrs.replicas))]
-        dispatcher.expect_replicas(pools)
+        dispatcher.expect_replicas(pools, args.lora_names)
         children.start_apis(infos["scheduler"], pools)
         children.wait_ready()
         app = build_app(config, dispatcher, infos["scheduler"])

@@ -35,9 +35,12 @@ from api_proc.responses import ResponsesHandler
 from api_proc.state import Dispatcher
 from api_proc.tokenize_routes import TokenizeHandler
 from wire import VERSION
-from wire.messages import MAX_PRIORITY, GenerateRequest, SchedulerLoad, VectorRequest, replace
+from wire.messages import (MAX_LORA_NAME, MAX_PRIORITY, GenerateRequest, SchedulerLoad,
+                           VectorRequest, replace)
 from wire.sampling import SamplingParams
 from wire.server_args import ServerConfig
+
+MAX_PATH_CHARS = 4096       # /load_lora_adapter's lora_path
 
 log = logging.getLogger(__name__)
 HEALTH_GENERATE_TIMEOUT = 20.0      # seconds for /health_generate's one-token generation
@@ -79,6 +82,7 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
             "requests_total": load.requests_total,
             "api_server": dispatcher.index,
             "replicas": [replica_info(x) for _, x in sorted(dispatcher.loads.items())],
+            **({"lora_adapters": load.lora_adapters} if args.enable_lora else {}),
             **speculative_info(load)})
 
     def speculative_info(load: SchedulerLoad) -> dict:
@@ -152,6 +156,46 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
             return error_response(reply.message, 400)
         return JSONResponse({"message": reply.message})
 
+    async def lora_route(request: Request, op: str) -> Response:
+        """/load_lora_adapter {lora_name, lora_path} and /unload_lora_adapter {lora_name}
+        (SGLang's): 200 once done (an unload once the adapter's requests have ended)."""
+        try:
+            body = await read_json(request)
+            if not isinstance(body, dict):
+                raise BadRequest("The request body must be a JSON object.")
+            name, path = body.get("lora_name"), body.get("lora_path", "")
+            if not isinstance(name, str) or not 0 < len(name) <= MAX_LORA_NAME:
+                raise BadRequest(f"lora_name must be a non-empty string of at most "
+                                 f"{MAX_LORA_NAME} characters.")
+            if op == "load" and (not isinstance(path, str) or not path
+                                 or len(path) > MAX_PATH_CHARS):
+                raise BadRequest("lora_path must be the adapter's path on the server (a PEFT "
+                                 "directory or a LoRA .gguf file).")
+        except BadRequest as e:
+            return error_response(str(e), e.status)
+        if not args.enable_lora:
+            return error_response("This server serves no LoRA adapters (start it with "
+                                  "--enable-lora).", 400)
+        if dispatcher.lost:
+            return error_response(f"Server unhealthy: {dispatcher.lost}", 503)
+        try:
+            reply = await dispatcher.lora_control(op, name, path if op == "load" else "")
+        except asyncio.TimeoutError:
+            return error_response("The scheduler did not answer in time (an unload waits "
+                                  "for the adapter's requests to end).", 503)
+        if not reply.ok:
+            return error_response(reply.message,
+                                  404 if op == "unload" and "not loaded" in reply.message
+                                  else 400)
+        return JSONResponse({"success": True, "message": reply.message,
+                             "loaded_adapters": dispatcher.lora_adapters})
+
+    async def load_lora_adapter(request: Request) -> Response:
+        return await lora_route(request, "load")
+
+    async def unload_lora_adapter(request: Request) -> Response:
+        return await lora_route(request, "unload")
+
     async def health_generate(_: Request) -> Response:
         """One greedy token for token id 0 through tokenizer, scheduler and detokenizer
         (under --is-embedding, the embedding of token id 0)."""
@@ -212,6 +256,8 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
         Route("/metrics", metrics_route, methods=["GET"]),
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/flush_cache", flush_cache, methods=["POST"]),
+        Route("/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+        Route("/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
         *OpenAIHandler(config, dispatcher, core).routes(),
         *AnthropicHandler(core, args.send_timeout).routes(),
         *ResponsesHandler(core, args.send_timeout).routes(),

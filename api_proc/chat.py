@@ -57,8 +57,8 @@ from api_proc.state import Dispatcher, RequestState
 from api_proc.streaming import changes
 from api_proc.tools import ToolCall, ToolError, check_tools, forced_calls, forced_schema
 from api_proc.tools import parse as parse_tool_calls
-from wire.messages import (MAX_TOP_LOGPROBS, TEMPLATE_RESERVED, ChatMessage, ContentPart,
-                           FinishReason, GenerateRequest, LogprobRequest, Logprobs)
+from wire.messages import (MAX_LORA_NAME, MAX_TOP_LOGPROBS, TEMPLATE_RESERVED, ChatMessage,
+                           ContentPart, FinishReason, GenerateRequest, LogprobRequest, Logprobs)
 from wire.sampling import GRAMMAR_KEYS, SamplingError, SamplingParams
 from wire.server_args import ServerConfig
 
@@ -106,16 +106,28 @@ class ParsedOpenAI:
                                     # "required" (api_proc/tools.py); None: plain text
     tool_parser: str | None = None  # chat with tool_choice "auto": parse the output's calls
     reasoning_parser: str | None = None     # chat: split <think> into reasoning_content
+    lora: str | None = None         # the LoRA adapter `model` named (None: the base model)
+
+    def model(self, model_id: str) -> str:
+        """The model id the answer names: the adapter's, else the served model's."""
+        return self.lora or model_id
 
 
-def check_model(body: dict, model_id: str) -> None:
+def check_model(body: dict, model_id: str, loras: bool = False) -> str | None:
+    """The LoRA adapter `model` names (None: the base model). loras: the server serves
+    adapters (--enable-lora): any other name is one, which the scheduler refuses with a 404
+    if it is not loaded (only it knows: another API process may have just loaded it);
+    without, any other name is a 404 here."""
     model = body.get("model")
     if model is None:
-        return
+        return None
     if not isinstance(model, str):
         raise OpenAIError("model must be a string.", param="model")
-    if model not in (model_id, "default"):      # "default": SGLang's name for the one model
+    if model in (model_id, "default"):          # "default": SGLang's name for the one model
+        return None
+    if not loras or len(model) > MAX_LORA_NAME:
         raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
+    return model
 
 
 def is_ids(x: Any) -> bool:
@@ -313,14 +325,14 @@ def _tool_call_id(value, i: int) -> str | None:
 
 def parse_chat(body: Any, model_id: str, context_length: int, tool_parser: str | None = None,
                reasoning_parser: str | None = None, takes_images: bool = False,
-               cap_max_tokens: bool = False) -> ParsedOpenAI:
+               cap_max_tokens: bool = False, loras: bool = False) -> ParsedOpenAI:
     """tool_parser / reasoning_parser: the server's --tool-call-parser and
     --reasoning-parser (None: not set); takes_images: the model is a vision one;
     cap_max_tokens: max_tokens is a cap, lowered to the room the prompt leaves (the
     dialects whose clients send a big fixed one: Anthropic's, Ollama's), not a 400."""
     if not isinstance(body, dict):
         raise OpenAIError("The request body must be a JSON object.")
-    check_model(body, model_id)
+    lora = check_model(body, model_id, loras)
     functions, choice = _tools(body, tool_parser)
     template_json = _template_json(body, choice)
     reject_unsupported(body, {
@@ -365,11 +377,11 @@ def parse_chat(body: Any, model_id: str, context_length: int, tool_parser: str |
                                    image_data=images or None)], [params],
                            [f"chatcmpl-{base}_{j}" for j in range(params.n)], stream=stream,
                            logprob=logprob_req, fit_context=unset or cap_max_tokens,
-                           priority=openai_priority(body))
+                           priority=openai_priority(body), lora=[lora])
     return ParsedOpenAI(reqs, params.n, stream, include_usage, logprobs, warmups=warmups,
                         tool_choice=choice if forced is not None else None,
                         tool_parser=tool_parser if choice == "auto" else None,
-                        reasoning_parser=reasoning_parser)
+                        reasoning_parser=reasoning_parser, lora=lora)
 
 
 def _tools(body: dict, tool_parser: str | None) -> tuple[list[dict], str]:
@@ -421,7 +433,8 @@ class ChatCore:
         args = self.config.args
         return parse_chat(body, self.model_id, self.config.context_length,
                           args.tool_call_parser, args.reasoning_parser,
-                          self.config.model.image_token_id is not None, cap_max_tokens)
+                          self.config.model.image_token_id is not None, cap_max_tokens,
+                          args.enable_lora)
 
     async def start(self, request: Request, parsed: "ParsedOpenAI", route: str
                     ) -> list[RequestState]:

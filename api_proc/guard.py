@@ -35,7 +35,8 @@ from starlette.datastructures import Headers
 from api_proc.boundary import JSONResponse
 
 PUBLIC_PATHS = frozenset({"/health", "/dashboard"})
-ADMIN_PATHS = frozenset({"/abort_request", "/flush_cache"})
+ADMIN_PATHS = frozenset({"/abort_request", "/flush_cache", "/load_lora_adapter",
+                         "/unload_lora_adapter"})
 
 
 def _error(message: str, status: int) -> JSONResponse:

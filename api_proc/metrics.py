@@ -249,13 +249,15 @@ def metrics() -> Metrics:
 
 
 def request_line(rid: str, route: str, out: TextOutput, ttft: float | None,
-                 e2e: float | None, priority: int = 0) -> str:
+                 e2e: float | None, priority: int = 0, lora: str | None = None) -> str:
     f = out.finish
     reason = f.type if f is not None else "abort"
     if f is not None and f.status_code is not None:
         reason += f" {f.status_code}"
     if priority:
         reason += f"; priority {priority}"
+    if lora is not None:
+        reason += f"; adapter {lora}"
 
     def secs(x: float | None) -> str:
         return "-" if x is None else f"{x:.3f}"

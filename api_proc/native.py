@@ -17,13 +17,13 @@ from api_proc.boundary import BadRequest, JSONResponse, error_response, read_jso
 from api_proc.pipeline import Pipeline, Prompt, expand, priority_of, settle
 from api_proc.state import Dispatcher, RequestState, SubmitError
 from api_proc.streaming import DONE, KEEPALIVE, SSEResponse, changes, sse
-from wire.messages import MAX_TOP_LOGPROBS, GenerateRequest, LogprobRequest
+from wire.messages import MAX_LORA_NAME, MAX_TOP_LOGPROBS, GenerateRequest, LogprobRequest
 from wire.sampling import SamplingParams
 
 LOGPROB_KEYS = ("return_logprob", "top_logprobs_num", "logprob_start_len",
                 "return_text_in_logprobs")
 KNOWN_KEYS = {"text", "input_ids", "sampling_params", "rid", "stream", "image_data",
-              "priority", *LOGPROB_KEYS}
+              "priority", "lora_path", *LOGPROB_KEYS}
 
 # The rest of SGLang's GenerateReqInput. Its clients send many of these on every request
 # (bench_serving: lora_path, return_routed_experts; the router: model, log_metrics, no_logs,
@@ -40,7 +40,7 @@ SGLANG_DEFAULTS: dict[str, Any] = {
     "return_flat_raw_top_logprobs": False, "return_flat_raw_top_logprobs_b64": False,
     "return_hidden_states": False, "return_routed_experts": False,
     "routed_experts_start_len": 0, "return_indexer_topk": False, "modalities": None,
-    "session_params": None, "lora_path": None, "lora_id": None,
+    "session_params": None, "lora_id": None,
     "custom_logit_processor": None, "positional_embed_overrides": None,
     "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None,
     "bootstrap_pair_key": None, "decode_tp_size": None, "routed_dp_rank": None,
@@ -162,6 +162,25 @@ def _images(body: dict, num: int, is_batch: bool) -> list[list[str] | None]:
     return [_image_list(v, f"image_data[{i}]") for i, v in enumerate(raw)]
 
 
+def _adapters(body: dict, num: int, is_batch: bool) -> list[str | None]:
+    """lora_path (SGLang's): one prompt's LoRA adapter by name, or null (the base model);
+    for a batch one name for all, or a list with one name or null per prompt. The
+    scheduler refuses names that are not loaded (404)."""
+    raw = body.get("lora_path")
+
+    def name(v: Any, where: str) -> str | None:
+        if v is None or (isinstance(v, str) and 0 < len(v) <= MAX_LORA_NAME):
+            return v
+        raise BadRequest(f"{where} must be a LoRA adapter's name (a non-empty string of at "
+                         f"most {MAX_LORA_NAME} characters) or null.")
+    if isinstance(raw, list) and is_batch:
+        if len(raw) != num:
+            raise BadRequest(f"lora_path must be one name, or a list with one entry per "
+                             f"prompt ({num}).")
+        return [name(v, f"lora_path[{i}]") for i, v in enumerate(raw)]
+    return [name(raw, "lora_path")] * num
+
+
 def parse_generate(body: Any) -> ParsedGenerate:
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.")
@@ -181,7 +200,8 @@ def parse_generate(body: Any) -> ParsedGenerate:
     reqs, warmups = expand([Prompt(text=p, image_data=im) if kind == "text"
                             else Prompt(input_ids=p, image_data=im)
                             for p, im in zip(prompts, images)], params, rids, stream=stream,
-                           logprob=logprob, priority=priority)
+                           logprob=logprob, priority=priority,
+                           lora=_adapters(body, len(prompts), is_batch))
     return ParsedGenerate(reqs, is_batch or len(reqs) > 1, stream, text_in_logprobs, warmups)
 
 

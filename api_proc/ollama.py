@@ -175,22 +175,29 @@ class OllamaHandler:
                 Route("/api/embed", self.embed, methods=["POST"]),
                 Route("/api/embeddings", self.embed, methods=["POST"])]
 
-    def _model(self, body: Any) -> str:
-        """The served model's id for the name a client sent (404 for any other)."""
+    def _model(self, body: Any, adapters: bool = False) -> str:
+        """The served model's id for the name a client sent (404 for any other); adapters:
+        (the generation routes, --enable-lora) another name is a LoRA adapter's, its tag
+        dropped (the scheduler refuses one that is not loaded: 404)."""
         if not isinstance(body, dict):
             raise BadRequest("The request body must be a JSON object.")
         name = body.get("model", body.get("name"))
-        if not isinstance(name, str) or name.split(":", 1)[0] not in (self.core.model_id,
-                                                                      "default"):
-            raise BadRequest(f"model '{name}' not found", 404)
-        return self.core.model_id
+        base = name.split(":", 1)[0] if isinstance(name, str) else None
+        if base in (self.core.model_id, "default"):
+            return self.core.model_id
+        if base and adapters and self.core.config.args.enable_lora:
+            return base
+        raise BadRequest(f"model '{name}' not found", 404)
 
     def _card(self) -> dict:
         return {"name": self.name, "model": self.name, "modified_at": self.modified,
                 "size": self.size, "digest": self.digest, "details": self.details}
 
     async def tags(self, _: Request) -> Response:
-        return JSONResponse({"models": [self._card()]})
+        adapters = [{**self._card(), "name": f"{n}:latest", "model": f"{n}:latest",
+                     "details": {**self.details, "parent_model": self.name}}
+                    for n in self.core.dispatcher.lora_adapters]
+        return JSONResponse({"models": [self._card(), *adapters]})
 
     async def ps(self, _: Request) -> Response:
         return JSONResponse({"models": [{**self._card(), "expires_at": "9999-12-31T00:00:00Z",
@@ -254,7 +261,7 @@ class OllamaHandler:
     async def _handle(self, request: Request, chat: bool) -> Response:
         try:
             body = await read_json(request)
-            model = self._model(body)
+            model = self._model(body, adapters=True)
             form = chat_body(body, model) if chat else generate_body(body, model)
             if chat and not form["messages"] or not chat and not body.get("prompt"):
                 return JSONResponse(self._line(chat, "", done=True, done_reason="load"))

@@ -88,10 +88,10 @@ def _prompts(body: dict) -> list[str | list[int]]:
                       "list of token ids, or a non-empty list of such lists.", param="prompt")
 
 
-def parse_completion(body: Any, model_id: str) -> ParsedOpenAI:
+def parse_completion(body: Any, model_id: str, loras: bool = False) -> ParsedOpenAI:
     if not isinstance(body, dict):
         raise OpenAIError("The request body must be a JSON object.")
-    check_model(body, model_id)
+    lora = check_model(body, model_id, loras)
     reject_unsupported(body, {"suffix": lambda v: v == "",
                                "best_of": lambda v: v == body.get("n", 1) or v == 1})
     prompts = _prompts(body)
@@ -107,9 +107,10 @@ def parse_completion(body: Any, model_id: str) -> ParsedOpenAI:
     rids = [f"cmpl-{base}_{i}" for i in range(len(prompts) * params.n)]
     reqs, warmups = expand([Prompt(text=p) if isinstance(p, str) else Prompt(input_ids=p)
                             for p in prompts], [params] * len(prompts), rids,
-                           stream=stream, logprob=logprob_req, priority=openai_priority(body))
+                           stream=stream, logprob=logprob_req, priority=openai_priority(body),
+                           lora=[lora] * len(prompts))
     return ParsedOpenAI(reqs, params.n, stream, include_usage, logprobs,
-                        echo=prompts if echo else None, warmups=warmups)
+                        echo=prompts if echo else None, warmups=warmups, lora=lora)
 
 
 # ---- consuming outputs -----------------------------------------------------------------------
@@ -251,14 +252,25 @@ class OpenAIHandler:
                 "input_modalities": (["text"] if self.config.model.image_token_id is None
                                      else ["text", "image"])}
 
+    def _adapter_card(self, name: str) -> dict:
+        """A LoRA adapter (--enable-lora) is a model of its own, over the served one."""
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "zserve",
+                "root": name, "parent": self.model_id,
+                "max_model_len": self.config.context_length,
+                "input_modalities": self._card()["input_modalities"]}
+
     async def models(self, _: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._card()]})
+        return JSONResponse({"object": "list", "data": [
+            self._card(), *(self._adapter_card(n) for n in self.dispatcher.lora_adapters)]})
 
     async def model(self, request: Request) -> Response:
-        """GET /v1/models/{id}: the served model's card; any other id is a 404."""
-        if request.path_params["model"] not in (self.model_id, "default"):
-            return error_response(f"The model `{request.path_params['model']}` does not "
-                                  f"exist.", 404, "model")
+        """GET /v1/models/{id}: the served model's card, or a loaded adapter's; any other
+        id is a 404."""
+        name = request.path_params["model"]
+        if name in self.dispatcher.lora_adapters:
+            return JSONResponse(self._adapter_card(name))
+        if name not in (self.model_id, "default"):
+            return error_response(f"The model `{name}` does not exist.", 404, "model")
         return JSONResponse(self._card())
 
     async def completions(self, request: Request) -> Response:
@@ -270,7 +282,8 @@ class OpenAIHandler:
     async def _handle(self, request: Request, chat: bool) -> Response:
         try:
             body = await read_json(request)
-            parsed = self.core.parse(body) if chat else parse_completion(body, self.model_id)
+            parsed = (self.core.parse(body) if chat else
+                      parse_completion(body, self.model_id, self.config.args.enable_lora))
             echo = await self._echo_texts(parsed)
             states = await self.core.start(request, parsed,
                                            "chat_completions" if chat else "completions")
@@ -278,7 +291,7 @@ class OpenAIHandler:
             return error_response(str(e), e.status, e.param)
         except (BadRequest, SubmitError) as e:
             return error_response(str(e), getattr(e, "status", 400))
-        reply = _Reply(self.model_id, chat, parsed, echo,
+        reply = _Reply(parsed.model(self.model_id), chat, parsed, echo,
                        [_Choice(i, s) for i, s in enumerate(states)])
         if parsed.stream:
             return await self._stream(request, reply)

@@ -54,18 +54,22 @@ def sample_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 def expand(prompts: list[Prompt], params: list[SamplingParams], rids: list[str], *,
            stream: bool, logprob: LogprobRequest | None, fit_context: bool = False,
-           priority: int = 0) -> tuple[list[GenerateRequest], list[GenerateRequest]]:
-    """(requests, warm-ups): rids has one entry per sample, prompt-major."""
+           priority: int = 0, lora: list[str | None] | None = None
+           ) -> tuple[list[GenerateRequest], list[GenerateRequest]]:
+    """(requests, warm-ups): rids has one entry per sample, prompt-major. lora: each
+    prompt's LoRA adapter (None: all on the base model); a warm-up runs under its prompt's
+    adapter, whose prefix cache entries are the samples' (scheduler_proc/request.py)."""
     reqs, warmups = [], []
-    for prompt, p in zip(prompts, params):
+    for prompt, p, adapter in zip(prompts, params, lora or [None] * len(prompts)):
         if p.n > 1:
             warmups.append(prompt.request(uuid.uuid4().hex,      # no grammar: no tokens
                                           replace(p, n=1, max_new_tokens=0, min_new_tokens=0,
                                                   json_schema=None, regex=None, ebnf=None),
-                                          priority=priority))
+                                          priority=priority, lora=adapter))
         for one in sample_params(p, p.n):
             reqs.append(prompt.request(rids[len(reqs)], one, stream=stream, logprob=logprob,
-                                       fit_context=fit_context, priority=priority))
+                                       fit_context=fit_context, priority=priority,
+                                       lora=adapter))
     return reqs, warmups
 
 

@@ -29,7 +29,7 @@ from api_proc.metrics import Throughput, clip, metrics, request_line
 from api_proc.timing import RequestTiming
 from wire.addresses import Addresses
 from wire.messages import (AbortRequest, ApiControl, ControlReply, FinishReason,
-                           FlushCacheRequest, PeerAbort, PeerAbortReply,
+                           FlushCacheRequest, LoraRequest, PeerAbort, PeerAbortReply,
                            GenerateRequest, LogprobRequest, Logprobs, SchedulerLoad, SpecStats,
                            accept_length,
                            TextBatch, TextOutput, replace)
@@ -39,6 +39,8 @@ from wire.sockets import AsyncInbox, Outbox
 log = logging.getLogger(__name__)
 request_log = logging.getLogger("zserve.requests")
 PEER_ABORT_TIMEOUT = 5.0    # seconds for the other API processes to answer an abort
+LORA_CONTROL_TIMEOUT = 300.0    # seconds an adapter's load, or its unload (which waits for
+                                # the requests using it), may take before a 503
 
 
 def is_admission(out: TextOutput) -> bool:
@@ -77,7 +79,7 @@ class RequestState:
 
     __slots__ = ("rid", "user_rid", "timing", "pending", "arrived", "listener", "text",
                  "output_ids", "last", "logprob", "output_logprobs", "input_logprobs",
-                 "text_in_logprobs", "sent", "timer", "route", "priority")
+                 "text_in_logprobs", "sent", "timer", "route", "priority", "lora")
 
     def __init__(self, rid: str, logprob: LogprobRequest | None = None,
                  user_rid: str | None = None):
@@ -97,6 +99,7 @@ class RequestState:
         self.sent = (0, 0)                      # text and ids handed out by unsent()
         self.timer: asyncio.TimerHandle | None = None   # --request-timeout
         self.priority = 0                       # its priority (the request log line)
+        self.lora: str | None = None            # its LoRA adapter (the request log line)
         self.route: str | None = None           # the route it came through (metrics, logs);
                                                 # None: internal (probes, warm-ups)
 
@@ -291,6 +294,7 @@ class Dispatcher:
             state = RequestState(wire.rid, req.logprob, user_rid=req.rid)
             state.route = route
             state.priority = req.priority
+            state.lora = req.lora
             self.states[wire.rid] = state
             self.rids[req.rid] = wire.rid
             if self.admission.timeout is not None:
@@ -322,7 +326,7 @@ class Dispatcher:
         if request_log.isEnabledFor(logging.INFO):
             request_log.info("%s", request_line(state.user_rid, state.route, out,
                                                 t.first_token_latency, t.e2e_latency,
-                                                state.priority))
+                                                state.priority, state.lora))
             if self.log_requests:
                 request_log.info("request %s out: %s", state.user_rid,
                                  clip(repr(state.text + "".join(o.text for o in
@@ -440,17 +444,34 @@ class Dispatcher:
                            now)
 
     async def flush_cache(self, timeout: float = 30.0) -> ControlReply:
-        req_id = uuid.uuid4().hex
-        fut = self.controls[req_id] = asyncio.get_running_loop().create_future()
+        return await self._control_request(FlushCacheRequest(uuid.uuid4().hex, api=self.index),
+                                           timeout)
+
+    async def lora_control(self, op: str, name: str, path: str = "",
+                           timeout: float = LORA_CONTROL_TIMEOUT) -> ControlReply:
+        """Load or unload a LoRA adapter (wire/messages.py LoraRequest)."""
+        return await self._control_request(LoraRequest(uuid.uuid4().hex, op, name, path,
+                                                       api=self.index), timeout)
+
+    async def _control_request(self, msg, timeout: float) -> ControlReply:
+        fut = self.controls[msg.req_id] = asyncio.get_running_loop().create_future()
         try:
-            self.to_tokenizer.send(FlushCacheRequest(req_id, api=self.index))
+            self.to_tokenizer.send(msg)
             return await asyncio.wait_for(fut, timeout)
         finally:
-            self.controls.pop(req_id, None)
+            self.controls.pop(msg.req_id, None)
 
-    def expect_replicas(self, pools: list[int]) -> None:
-        """Before the first output: replica r's KV pool holds pools[r] tokens, all free."""
-        self.loads = {r: SchedulerLoad(replica=r, kv_total=n, kv_free=n)
+    @property
+    def lora_adapters(self) -> list[str]:
+        """The LoRA adapters loaded, as the newest loads say (/v1/models)."""
+        return self.load.lora_adapters
+
+    def expect_replicas(self, pools: list[int], lora_adapters: list[str] | None = None
+                        ) -> None:
+        """Before the first output: replica r's KV pool holds pools[r] tokens, all free,
+        and the adapters of --lora-paths are loaded."""
+        self.loads = {r: SchedulerLoad(replica=r, kv_total=n, kv_free=n,
+                                       lora_adapters=list(lora_adapters or ()))
                       for r, n in enumerate(pools)}
         self.load = total_load(list(self.loads.values()))
 
@@ -526,7 +547,10 @@ def total_load(loads: list[SchedulerLoad]) -> SchedulerLoad:
     per replica, and meaningless in a sum: 0)."""
     fields = [f for f in SchedulerLoad.__struct_fields__ if f not in ("seq", "replica")]
     total = SchedulerLoad(**{f: sum(getattr(x, f) for x in loads)
-                             for f in fields if f != "spec_accept_hist"})
+                             for f in fields if f not in ("spec_accept_hist", "lora_adapters")})
+    # An adapter is usable once every replica has it loaded.
+    total.lora_adapters = [n for n in loads[0].lora_adapters
+                           if all(n in x.lora_adapters for x in loads)] if loads else []
     hist = [0] * max((len(x.spec_accept_hist) for x in loads), default=0)
     for x in loads:                             # elementwise
         for m, n in enumerate(x.spec_accept_hist):

@@ -31,7 +31,7 @@ def main(config: ServerConfig, addrs: Addresses, index: int, scheduler_info: dic
         from api_proc.state import Admission, Dispatcher
         dispatcher = Dispatcher(addrs, Admission(args.max_queued_requests,
                                                  args.request_timeout), index)
-        dispatcher.expect_replicas(pools)
+        dispatcher.expect_replicas(pools, args.lora_names)
         dispatcher.log_requests = args.log_requests
         app = build_app(config, dispatcher, scheduler_info)
         server = make_server(app, args, dispatcher)

@@ -7,8 +7,9 @@ work over D scheduler replicas (each a whole model with its own KV pool and pref
   ignores a release, and keeps an abort as an early abort for 30 s (the abort may have
   overtaken its request, scheduler.py): internal rids are unique, so it never matches
   another request. Keeping no rid -> replica map means nothing here grows with traffic.
-- FlushCacheRequest: to every replica; their D ControlReplies are joined into one for the
-  API process that asked (ok only if every replica flushed).
+- FlushCacheRequest and LoraRequest: to every replica; their D ControlReplies are joined
+  into one for the API process that asked (ok only if every replica flushed, or loaded or
+  unloaded the adapter).
 - ReplicaStatus: each replica's load after each step, for shortest_queue.
 
 The replicas' outputs do not pass through here: each replica pushes its TokenBatches to
@@ -28,7 +29,8 @@ import zmq
 from dp_controller_proc.policy import POLICIES
 from wire.addresses import Addresses
 from wire.codec import DP_CONTROLLER_INBOX
-from wire.messages import (AbortRequest, ControlReply, FlushCacheRequest, ReleaseRequest,
+from wire.messages import (AbortRequest, ControlReply, FlushCacheRequest, LoraRequest,
+                           ReleaseRequest,
                            ReplicaStatus, TokenizedRequest)
 from wire.proc import run_child
 from wire.server_args import ServerConfig
@@ -65,7 +67,7 @@ class Controller:
             self.to_replica(self.policy.pick(len(msg.input_ids)), msg)
         elif isinstance(msg, (AbortRequest, ReleaseRequest)):
             self.broadcast(msg)
-        elif isinstance(msg, FlushCacheRequest):
+        elif isinstance(msg, (FlushCacheRequest, LoraRequest)):
             self.start_flush(msg)
         elif isinstance(msg, ControlReply):
             self.join_flush(msg)

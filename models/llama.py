@@ -214,6 +214,7 @@ class CausalLM(nn.Module):
                              cos_sin_table(local_rope_config(config), device="cpu"),
                              persistent=False)
         self.fast = None        # a FastDecode (fast_decode.py), set by load_model where it applies
+        self.lora = None        # a LoraSet (lora.py), set by the runner with --enable-lora
         # A vision-language model's image encoder (models/vision/), else None: whole on
         # every rank (small next to the decoder), run by rank 0 alone (runner.py).
         self.vision = build_encoder(config)
@@ -226,7 +227,8 @@ class CausalLM(nn.Module):
         embeds: (rows [M], values [M, hidden], rope [3, M] or None): those rows take these
         inputs in place of their tokens' embeddings (an image's encoder output), and under
         multimodal RoPE (config.mrope_section) these [t, h, w] positions."""
-        if embeds is None and self.fast is not None and self.fast.takes(attn, positions):
+        if embeds is None and self.fast is not None and self.fast.takes(attn, positions) \
+                and (self.lora is None or not self.lora.runs):
             return self.fast.run(input_ids, positions, attn)    # the same, in one C call
         x = (self.embed_tokens(input_ids) if self.tp is None
              else self._embed_sharded(input_ids))

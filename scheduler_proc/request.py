@@ -13,6 +13,13 @@ from wire.messages import (DecodeParams, FinishReason, LogprobRequest, Logprobs,
 from wire.sampling import SamplingParams
 
 
+def adapter_key(uid: int, key: int) -> int:
+    """What the radix cache holds at position 0 of a prompt run under the adapter loaded as
+    `uid`, in place of `key` (a token id, or an image's key: images.image_key): below
+    -2^62, never a token id nor an image's key (>= -2^60)."""
+    return -(1 << 62) - (uid << 62) - (key if key >= 0 else (1 << 60) - key)
+
+
 class Req:
     """State derived from lists rather than kept in counters: the KV of positions
     0..num_computed-1 lives in `slots`, so num_computed is len(slots)."""
@@ -22,7 +29,7 @@ class Req:
                  "finish", "announced", "decode_sent", "first_token_at", "generator", "logprob", "input_logprobs",
                  "pending_logprobs", "held_ids", "grammar", "grammar_future", "images",
                  "image_positions", "key_prompt", "rope_pos", "rope_delta", "image_rope",
-                 "vector", "pooled", "spec", "priority")
+                 "vector", "pooled", "spec", "priority", "adapter")
 
     def __init__(self, msg: TokenizedRequest, device: torch.device | str = "cpu",
                  image_token_id: int | None = None):
@@ -83,6 +90,15 @@ class Req:
         # Speculative decoding (speculative.py): its proposer's index and measured acceptance.
         self.spec = None
         self.priority = msg.priority          # --enable-priority-scheduling (scheduler.py)
+        self.adapter = None                   # its LoRA adapter (adapters.py): use_adapter
+
+    def use_adapter(self, adapter) -> None:
+        """Run under `adapter` (adapters.Adapter): the prefix cache keys the prompt's first
+        position by the adapter's load (adapter_key), so the same text under two adapters,
+        or under none, is two entries."""
+        self.adapter = adapter
+        self.key_prompt = list(self.key_prompt)
+        self.key_prompt[0] = adapter_key(adapter.uid, self.key_prompt[0])
 
     # ---- logprobs -------------------------------------------------------------------------
 

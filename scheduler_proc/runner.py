@@ -31,6 +31,10 @@ table before executing. Rows freed on rank 0 are not cleared on the followers: p
 past a row's length are never attended (only masked out in SDPA's padded decode batch).
 The KV pool size is the smallest any rank can hold (all_reduce_min at construction);
 `share_table` sends it with the table's shape (TPInit) and waits for every rank.
+LoRA adapters (--enable-lora, models/lora.py) are loaded by rank 0 when the scheduler says
+(`load_adapter`); each plan carries the loads and unloads made since the previous one, which
+a follower applies (`apply_lora_loads`) before executing, and the step's runs of rows per
+adapter (`lora_runs`: the plan reads each segment's Req.adapter).
 
 Faults: an exception from the model call propagates (the scheduler ends the step's
 requests). Under tensor parallelism it is a TPFault instead, which leaves_device_unknown
@@ -53,6 +57,7 @@ kernel evicted and needed again is recompiled, ~0.5 ms.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -176,6 +181,13 @@ class ModelRunner:
         self.decode_kernel = decode_kernel_fits(self.device, self.dtype, c.num_heads,
                                                 c.num_kv_heads, c.head_dim, self.kv_dtype)
         self.table_log: list[TableWrite] | None = None     # rank 0 under TP: share_table
+        # LoRA adapters in slots 1..--max-loaded-loras (0: the base model), and rank 0's
+        # loads since the last plan (tensor parallelism: every rank loads them).
+        self.lora = None
+        self.lora_log: list[list[int | str]] = []
+        if args.enable_lora:
+            from models.lora import LoraSet
+            self.lora = LoraSet(self.model, args.max_loaded_loras + 1)
         # A vision-language model's encoder, run on the images of each step (images.py).
         self.images = (None if self.model.vision is None else ImageEmbedder(
             self.model.vision, self.device, self.dtype,
@@ -223,6 +235,30 @@ class ModelRunner:
         if self.tp.size > 1 and self.table_log is not None:
             self.tp.broadcast_bytes(encode(_empty_plan(stop=True)))
 
+    # ---- LoRA adapters -------------------------------------------------------------------
+
+    def load_adapter(self, slot: int, path: str, max_rank: int | None = None) -> int:
+        """Load the adapter at `path` into `slot` (rank 0: the followers at the next plan);
+        returns its rank. ValueError (models/lora.py: AdapterError) if it cannot serve
+        here, nothing loaded."""
+        rank = self.lora.load(slot, path, max_rank)
+        if self.tp.size > 1:
+            self.lora_log.append([slot, path])
+        return rank
+
+    def unload_adapter(self, slot: int) -> None:
+        self.lora.unload(slot)
+        if self.tp.size > 1:
+            self.lora_log.append([slot, ""])
+
+    def apply_lora_loads(self, loads: list[list[int | str]]) -> None:
+        """A follower: rank 0's loads ([slot, path]) and unloads ([slot, ""]), in order."""
+        for slot, path in loads:
+            if path:
+                self.lora.load(int(slot), str(path))
+            else:
+                self.lora.unload(int(slot))
+
     # ---- one step -----------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -262,9 +298,16 @@ class ModelRunner:
         score_ranges: list[list[int]] = []
         scored: list[Scored] = []
         pooled: list[Pooled] = []
+        lora_runs: list[list[int]] = []
         for seg in segments:
             req, end = seg.req, seg.start + seg.length
             first_row = len(ids)
+            if req.adapter is not None:         # runs of rows per adapter (models/lora.py)
+                slot = req.adapter.slot
+                if lora_runs and lora_runs[-1][0] == slot and lora_runs[-1][2] == first_row:
+                    lora_runs[-1][2] += seg.length
+                else:
+                    lora_runs.append([slot, first_row, first_row + seg.length])
             ids += seg.token_ids()
             positions += req.positions(seg.start, end)
             out_slots += req.slots[seg.start:end]
@@ -287,7 +330,8 @@ class ModelRunner:
                 pooled.append(Pooled(req, first_row + lo - seg.start, hi - lo, lo))
         plan = StepPlan(ids=ids, positions=positions, out_slots=out_slots,
                         decode_rows=decode_rows, decode_lens=decode_lens, prefills=prefills,
-                        table_writes=[], score_ranges=score_ranges, sample_rows=sample_rows)
+                        table_writes=[], score_ranges=score_ranges, sample_rows=sample_rows,
+                        lora_runs=lora_runs)
         return plan, scored, pooled
 
     @torch.inference_mode()
@@ -308,7 +352,9 @@ class ModelRunner:
                                    self.decode_kernel, self.model.attention_layers)
         # The quantized layers' kernel rule counts the step's requests, not its rows
         # (quant_linear.py): a request alone is computed the same way at every length.
-        with step_batch(len(set(plan.decode_rows)) + len(plan.prefills)):
+        lora = (self.lora.step([tuple(r) for r in plan.lora_runs]) if plan.lora_runs
+                else contextlib.nullcontext())
+        with step_batch(len(set(plan.decode_rows)) + len(plan.prefills)), lora:
             hidden = self.model(torch.tensor(plan.ids, dtype=torch.int64, device=self.device),
                                 torch.tensor(plan.positions, dtype=torch.int64,
                                              device=self.device),
@@ -360,6 +406,7 @@ class ModelRunner:
             raise RuntimeError("tensor-parallel rank 0 runs a step before share_table")
         plan.table_writes = list(self.table_log)
         self.table_log.clear()              # in place: it is the ReqToToken's log too
+        plan.lora_loads, self.lora_log = self.lora_log, []
         if embeds is not None:
             plan.embed_rows = embeds[0].tolist()
             plan.embed_values = embeds[1].float().cpu().numpy().tobytes()

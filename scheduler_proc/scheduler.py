@@ -63,6 +63,13 @@ nothing stays held). Mean and cls pooling take no cached prefix, since they read
 onwards (Req.max_prefix_match). With --is-embedding only embeddings are accepted; any other
 request is refused with a 400.
 
+LoRA adapters (--enable-lora; adapters.py holds them by name, models/lora.py computes them):
+a request naming an adapter that is not loaded, or is being unloaded, is refused with a 404.
+Admission keeps at most --max-loras-per-batch distinct adapters among the running requests
+(the queue's head waits for one to end, as for memory); each step's segments are ordered by
+adapter within the decode part and within the prefill part, so each adapter's rows are at
+most two runs. An unload answers once the requests that named the adapter have ended.
+
 Test only: the environment variable ZSERVE_TEST_STALL_AFTER_STEPS=N makes the scheduler
 sleep forever inside its (N+1)-th model step, to test the watchdog (process.py). Never set
 it outside tests.
@@ -82,12 +89,13 @@ from typing import Callable
 
 from grammars.llg import client_message
 from scheduler_proc.grammar import GrammarError
+from scheduler_proc.adapters import Adapters
 from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.request import Req
 from scheduler_proc.runner import Segment, leaves_device_unknown
 from scheduler_proc.speculative import Speculator, accepted_run
 from wire.messages import (MAX_PRIORITY, MAX_TOP_LOGPROBS, AbortRequest, ControlReply, DecodeParams,
-                           FinishReason, FlushCacheRequest, ReleaseRequest,
+                           FinishReason, FlushCacheRequest, LoraRequest, ReleaseRequest,
                            SchedulerLoad, TokenBatch, TokenizedRequest, TokenOutput, replace)
 from wire.server_args import ServerArgs
 
@@ -134,6 +142,8 @@ class Scheduler:
                                runner.dtype, runner.device, kv.pool.size,
                                kv.req_to_token.table, runner.context_len)
         self.spec = Speculator.of(args, str(device), draft)     # None without speculation
+        # LoRA adapters by name (adapters.py); None without --enable-lora.
+        self.adapters = Adapters(args, runner) if args.enable_lora else None
         self.compiling: list[Req] = []            # waiting for their grammar, in arrival order
         self.waiting: deque[Req] = deque()        # arrival order, or rank order (priority)
         self.by_priority = args.enable_priority_scheduling
@@ -208,6 +218,8 @@ class Scheduler:
                                                   message="Released by the detokenizer."))
         elif isinstance(msg, FlushCacheRequest):
             self.flush_cache(msg.req_id, msg.api)
+        elif isinstance(msg, LoraRequest):
+            self.lora_control(msg)
         else:
             log.error("unexpected message %s", type(msg).__name__)
 
@@ -221,6 +233,9 @@ class Scheduler:
         problem = self.check(msg)
         if problem is not None:
             self.reject(msg, problem)
+            return
+        if msg.lora is not None and (problem := self.adapters.problem(msg.lora)) is not None:
+            self.reject(msg, problem, status=404)
             return
         if msg.fit_context:
             self.fit_pool(msg)
@@ -239,6 +254,8 @@ class Scheduler:
                         f"max_new_tokens) but the pool has {self.kv.pool.size}."))
         else:
             self.in_flight[req.rid] = req
+            if msg.lora is not None:
+                req.use_adapter(self.adapters.acquire(msg.lora))
             self.arrivals.append(req)
             self.requests_total += 1
             if req.sampling.grammar is not None:
@@ -277,6 +294,8 @@ class Scheduler:
             return f"logprob_start_len must be at least -1, got {lp.start_len}."
         if s.grammar is not None and self.grammars is None:
             return "Constrained decoding (json_schema, regex, ebnf) is not available here."
+        if msg.lora is not None and self.adapters is None:
+            return "This server serves no LoRA adapters (start it with --enable-lora)."
         if (v := msg.vector) is not None:
             if (problem := v.problem(vocab)) is not None:
                 return problem
@@ -294,15 +313,15 @@ class Scheduler:
             return images.check(ids, msg.images)
         return None
 
-    def reject(self, msg: TokenizedRequest, message: str) -> None:
+    def reject(self, msg: TokenizedRequest, message: str, status: int = 400) -> None:
         """End a request that failed `check` before it became a Req: its one terminal
-        output, with status 400."""
+        output, with status 400 (404: an adapter it names is not loaded)."""
         self.rejected_total += 1
         log.warning("rejected request %r (%d rejected so far): %s",
                     msg.rid[:LOG_RID_CHARS], self.rejected_total, message)
         self.outputs.append(TokenOutput(
             rid=msg.rid, new_ids=[], prompt_tokens=len(msg.input_ids), cached_tokens=0,
-            finish=FinishReason(type="abort", message=message, status_code=400),
+            finish=FinishReason(type="abort", message=message, status_code=status),
             queue_time=None, decode=DecodeParams(api=msg.api)))
 
     def fit_pool(self, msg: TokenizedRequest) -> None:
@@ -443,7 +462,8 @@ class Scheduler:
         room = self.kv.available - self.reserved()
         while (self.waiting and budget > 0 and
                len(self.running) < self.args.max_running_requests and
-               (not self.running or self.admit_cost(self.waiting[0]) <= room)):
+               (not self.running or self.admit_cost(self.waiting[0]) <= room) and
+               (self.adapters is None or self.adapters.fits(self.running, self.waiting[0]))):
             req = self.waiting.popleft()
             self.kv.admit(req)
             self.running.append(req)
@@ -463,7 +483,10 @@ class Scheduler:
         if segments:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
                                        self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        segments.sort(key=lambda s: s.length != 1)   # decode rows first (see attention.py)
+        # Decode rows first (see attention.py); within each part, a LoRA adapter's rows
+        # together (models/lora.py: runs).
+        segments.sort(key=lambda s: (s.length != 1,
+                                     0 if s.req.adapter is None else s.req.adapter.slot))
         if self.spec is not None:
             self.add_drafts(segments)
         return segments
@@ -573,7 +596,8 @@ class Scheduler:
             victims.append(victim)
             room += len(victim.slots) + self._reservation(victim)
             if len(self.running) - len(victims) < self.args.max_running_requests and \
-                    cost <= room:
+                    cost <= room and (self.adapters is None or self.adapters.fits(
+                        [r for r in self.running if r not in victims], head)):
                 break
         else:
             return
@@ -673,6 +697,8 @@ class Scheduler:
             self.compiling.remove(req)            # its compile goes on for the cache
         if self.in_flight.get(req.rid) is req:
             del self.in_flight[req.rid]
+            if req.adapter is not None:
+                self.adapters.release(req.adapter)
         if self.spec is not None:
             self.spec.finished(req)
         req.finish = reason
@@ -728,6 +754,21 @@ class Scheduler:
         self.reply(ControlReply(req_id=req_id, ok=ok, message=message, loads=[self.load()],
                                 api=api))
 
+    def lora_control(self, msg: LoraRequest) -> None:
+        """/load_lora_adapter and /unload_lora_adapter: answered once done (an unload waits
+        for the requests using the adapter)."""
+        def done(ok: bool, message: str) -> None:
+            self.reply(ControlReply(req_id=msg.req_id, ok=ok, message=message,
+                                    loads=[self.load()], api=msg.api))
+        if self.adapters is None:
+            done(False, "This server serves no LoRA adapters (start it with --enable-lora).")
+        elif msg.op == "load":
+            done(*self.adapters.load(msg.name, msg.path))
+        elif msg.op == "unload":
+            self.adapters.unload(msg.name, done)
+        else:
+            done(False, f"Unknown adapter operation {msg.op!r}.")
+
     def load(self) -> SchedulerLoad:
         pool = self.kv.pool
         self.seq += 1
@@ -742,6 +783,7 @@ class Scheduler:
                              rejected_total=self.rejected_total,
                              requests_total=self.requests_total,
                              cached_tokens_total=self.cached_tokens_total,
+                             lora_adapters=[] if self.adapters is None else self.adapters.names,
                              **self.token_counts(), **self.spec_counts())
 
     def spec_counts(self) -> dict:

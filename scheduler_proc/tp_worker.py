@@ -74,6 +74,8 @@ def _step(runner: ModelRunner, table: ReqToToken, watchdog) -> bool:
         return False
     for w in plan.table_writes:
         table.write(w.row, w.start, w.slots)
+    if plan.lora_loads:
+        runner.apply_lora_loads(plan.lora_loads)
     runner.execute(plan, table.table,
                    embeds=plan_embeds(plan, runner.device, runner.model.config.hidden_size))
     return True

@@ -358,5 +358,5 @@ def test_sglang_clients_default_fields_are_served(server):
     from tests.test_parse_generate import SGLANG_DEFAULT_BODY
     out = server.generate_ok(**SGLANG_DEFAULT_BODY)
     assert out["meta_info"]["completion_tokens"] == 2
-    r = server.generate(text="a", lora_path="adapter")
-    assert r.status_code == 400 and "lora_path" in r.json()["error"]["message"]
+    r = server.generate(text="a", lora_path="adapter")     # a server without adapters
+    assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]

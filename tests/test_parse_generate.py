@@ -306,7 +306,21 @@ def test_sglang_default_fields_are_accepted():
     assert len(parse_generate(batch).requests) == 2
 
 
-@pytest.mark.parametrize("field,value", [("lora_path", "my-adapter"),
+def test_lora_path_names_each_prompts_adapter():
+    [r] = parse_generate({"text": "a", "lora_path": "sql"}).requests
+    assert r.lora == "sql"
+    p = parse_generate({"text": ["a", "b", "c"], "lora_path": ["sql", None, "chat"],
+                        "sampling_params": {"n": 2}})
+    assert [r.lora for r in p.requests] == ["sql", "sql", None, None, "chat", "chat"]
+    assert [w.lora for w in p.warmups] == ["sql", None, "chat"]     # their prompts' adapters
+    assert {r.lora for r in parse_generate({"text": ["a", "b"],
+                                            "lora_path": "sql"}).requests} == {"sql"}
+    for bad in ("", 3, ["sql"], "x" * 257):
+        with pytest.raises(BadRequest, match="lora_path"):
+            parse_generate({"text": ["a", "b"], "lora_path": bad})
+
+
+@pytest.mark.parametrize("field,value", [("lora_id", "my-adapter"),
                                          ("return_hidden_states", True),
                                          ("video_data", "http://x/cat.mp4"),
                                          ("routed_experts_start_len", 3),

@@ -99,6 +99,8 @@ SAMPLES: dict[type, list] = {
     ],
     m.FlushCacheRequest: [m.FlushCacheRequest(req_id="f1"),
                           m.FlushCacheRequest(req_id="f2", api=3)],
+    m.LoraRequest: [m.LoraRequest(req_id="l1", op="load", name="sql", path="/a/b"),
+                    m.LoraRequest(req_id="l2", op="unload", name=UNICODE, api=2)],
     m.ControlReply: [
         m.ControlReply(req_id="f1", ok=True, message="Cache flushed.", loads=[LOAD]),
         m.ControlReply(req_id="", ok=False, message=UNICODE, loads=[m.SchedulerLoad(),
@@ -161,7 +163,8 @@ def test_tags_are_pinned_and_unique():
         "GenerateRequest": 1, "AbortRequest": 2, "TokenizedRequest": 3, "ReleaseRequest": 4,
         "TokenBatch": 5, "TextBatch": 6, "FlushCacheRequest": 7, "ControlReply": 8,
         "ReplicaStatus": 9, "PeerAbort": 10, "PeerAbortReply": 11, "ApiControl": 12,
-        "TPInit": 13, "StepPlan": 14, "NodeHello": 15, "NodeReply": 16, "NodeBye": 17}
+        "TPInit": 13, "StepPlan": 14, "NodeHello": 15, "NodeReply": 16, "NodeBye": 17,
+        "LoraRequest": 18}
 
 
 @pytest.mark.parametrize("msg", ALL_SAMPLES, ids=lambda msg: type(msg).__name__)
@@ -469,16 +472,18 @@ def test_fuzz_well_formed_msgpack_with_wrong_shapes():
 
 # Who receives what (DESIGN.md section 1). Pinned here so that a change is a decision.
 RECEIVERS = {
-    codec.TOKENIZER_INBOX: {m.GenerateRequest, m.AbortRequest, m.FlushCacheRequest},
+    codec.TOKENIZER_INBOX: {m.GenerateRequest, m.AbortRequest, m.FlushCacheRequest,
+                            m.LoraRequest},
     codec.SCHEDULER_INBOX: {m.TokenizedRequest, m.AbortRequest, m.FlushCacheRequest,
-                            m.ReleaseRequest},
+                            m.LoraRequest, m.ReleaseRequest},
     codec.DETOKENIZER_INBOX: {m.TokenBatch},
     codec.API_INBOX: {m.TextBatch, m.ControlReply, m.PeerAbort, m.PeerAbortReply,
                       m.ApiControl},
     codec.NODE_LINK: {m.NodeHello, m.NodeReply, m.NodeBye},
     codec.TP_FOLLOWER: {m.TPInit, m.StepPlan},
     codec.DP_CONTROLLER_INBOX: {m.TokenizedRequest, m.AbortRequest, m.FlushCacheRequest,
-                                m.ReleaseRequest, m.ReplicaStatus, m.ControlReply},
+                                m.LoraRequest, m.ReleaseRequest, m.ReplicaStatus,
+                                m.ControlReply},
 }
 
 

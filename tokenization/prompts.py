@@ -327,7 +327,7 @@ class Tokenizer:
         return TokenizedRequest(rid=req.rid, input_ids=ids, sampling=s, stream=req.stream,
                                 logprob=req.logprob, fit_context=req.fit_context,
                                 api=req.api, images=images, vector=req.vector,
-                                priority=req.priority)
+                                priority=req.priority, lora=req.lora)
 
     def add_images(self, ids: list[int], sources: list[str]
                    ) -> tuple[list[int], list[ImageFeatures]]:

@@ -37,6 +37,7 @@ from tokenization.prompts import NeedsCheck, RequestError, Tokenizer
 from wire.addresses import Addresses, worker_title
 from wire.codec import TOKENIZER_INBOX, encode
 from wire.messages import (AbortRequest, FinishReason, FlushCacheRequest, GenerateRequest,
+                           LoraRequest,
                            TextBatch, TextOutput)
 from wire.proc import run_child
 from wire.server_args import ServerConfig
@@ -104,7 +105,7 @@ class Worker:
 
     def handle(self, msg) -> tuple[int, bytes] | None:
         try:
-            if isinstance(msg, (AbortRequest, FlushCacheRequest)):
+            if isinstance(msg, (AbortRequest, FlushCacheRequest, LoraRequest)):
                 return SCHEDULER, encode(msg)   # control messages pass through, in order
             if isinstance(msg, GenerateRequest) and 0 <= msg.api < self.api_servers:
                 return self._generate(msg)

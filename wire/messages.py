@@ -186,6 +186,7 @@ class GenerateRequest(WireStruct, tag=1):
     image_data: list[str] | None = None
     vector: VectorRequest | None = None     # an embedding or a score, not tokens
     priority: int = 0           # --enable-priority-scheduling: the queue's order (|p| < 2^31)
+    lora: str | None = None     # --enable-lora: the adapter's name; None: the base model
 
 
 # ---- api -> tokenizer -> scheduler ---------------------------------------------------------
@@ -202,6 +203,21 @@ class FlushCacheRequest(WireStruct, tag=7):
     """Drop the prefix cache (only when no request is running). Answered by ControlReply."""
 
     req_id: str
+    api: int = 0                # where the ControlReply goes
+
+
+MAX_LORA_NAME = 256             # an adapter's name, in characters
+
+
+class LoraRequest(WireStruct, tag=18):
+    """Load (op "load": `name` from `path`) or unload (op "unload") a LoRA adapter
+    (--enable-lora; /load_lora_adapter, /unload_lora_adapter). Answered by ControlReply once
+    done: an unload only when the requests using the adapter have ended."""
+
+    req_id: str
+    op: str
+    name: str
+    path: str = ""
     api: int = 0                # where the ControlReply goes
 
 
@@ -237,6 +253,7 @@ class TokenizedRequest(WireStruct, tag=3):
     images: list[ImageFeatures] | None = None   # in prompt order; None: a text prompt
     vector: VectorRequest | None = None         # GenerateRequest.vector, carried on
     priority: int = 0                           # GenerateRequest.priority, carried on
+    lora: str | None = None                     # GenerateRequest.lora, carried on
 
 
 # ---- detokenizer -> scheduler --------------------------------------------------------------
@@ -321,6 +338,8 @@ class SchedulerLoad(WireStruct):
     # after them), m = 1 .. --speculative-num-draft-tokens + 1 (index 0 unused).
     spec_draft_total: int = 0
     spec_accept_hist: list[int] = field(default_factory=list)
+    # --enable-lora: the adapters loaded (and not being unloaded), in load order.
+    lora_adapters: list[str] = field(default_factory=list)
 
     @property
     def spec_verify_total(self) -> int:
@@ -350,7 +369,7 @@ class TokenBatch(WireStruct, tag=5):
 # ---- scheduler -> api ------------------------------------------------------------------------
 
 class ControlReply(WireStruct, tag=8):
-    """The answer to a FlushCacheRequest: from the scheduler, or with --dp-size > 1 from the
+    """The answer to a FlushCacheRequest or a LoraRequest: from the scheduler, or with --dp-size > 1 from the
     data-parallel controller, which joins its replicas' answers (one load each)."""
 
     req_id: str
@@ -404,6 +423,11 @@ class StepPlan(WireStruct, tag=14):
     embed_rows: list[int] = field(default_factory=list)
     embed_values: bytes = b""
     embed_positions: list[int] = field(default_factory=list)   # multimodal RoPE: [3, rows]
+    # LoRA (models/lora.py): [slot, lo, hi] per run of rows using adapter `slot`; and the
+    # adapters rank 0 loaded ([slot, path]) or unloaded ([slot, ""]) since the last plan,
+    # which a follower applies before executing.
+    lora_runs: list[list[int]] = field(default_factory=list)
+    lora_loads: list[list[int | str]] = field(default_factory=list)
 
 
 # ---- scheduler replica -> data-parallel controller (--dp-size > 1) --------------------------
@@ -509,9 +533,10 @@ class NodeBye(WireStruct, tag=17):
 # One union per inbox (the PULL socket its process binds). Each process decodes with its
 # inbox's decoder (wire/codec.py), so a message sent to the wrong process is a DecodeError.
 
-TokenizerInbox = GenerateRequest | AbortRequest | FlushCacheRequest                 # from the API
+TokenizerInbox = (GenerateRequest | AbortRequest | FlushCacheRequest                # from the API
+                  | LoraRequest)
 SchedulerInbox = (TokenizedRequest | AbortRequest | FlushCacheRequest               # tokenizer
-                  | ReleaseRequest)                                                 # detokenizer
+                  | LoraRequest | ReleaseRequest)                                   # detokenizer
 DpControllerInbox = (SchedulerInbox                              # in the scheduler's place
                      | ReplicaStatus | ControlReply)             # from the replicas
 NodeLinkInbox = NodeHello | NodeReply | NodeBye             # launchers, over the node link
@@ -523,4 +548,4 @@ TpFollowerInbox = TPInit | StepPlan     # tp rank 0, by torch.distributed broadc
 Message = (GenerateRequest | AbortRequest | TokenizedRequest | ReleaseRequest | TokenBatch
            | TextBatch | FlushCacheRequest | ControlReply | ReplicaStatus
            | PeerAbort | PeerAbortReply | ApiControl | NodeHello | NodeReply | NodeBye
-           | TPInit | StepPlan)                                                 # every tag
+           | TPInit | StepPlan | LoraRequest)                                   # every tag

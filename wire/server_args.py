@@ -66,12 +66,21 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def flag_type(annotation) -> type:
-    """The type argparse converts a flag's value to: `int` for `int` and for `int | None`."""
+    """The type argparse converts a flag's value to: `int` for `int` and for `int | None`;
+    `str` for `tuple[str, ...] | None` (a flag taking several values: `takes_many`)."""
     kinds = [t for t in typing.get_args(annotation) or (annotation,) if t is not type(None)]
+    if takes_many(annotation):
+        return typing.get_args(kinds[0])[0]
     if isinstance(annotation, str) or len(kinds) != 1 or not isinstance(kinds[0], type):
         raise TypeError(f"a flag needs one concrete type (optionally | None), got "
                         f"{annotation!r}")
     return kinds[0]
+
+
+def takes_many(annotation) -> bool:
+    """A `tuple[X, ...] | None` field: its flag takes one or more values."""
+    kinds = [t for t in typing.get_args(annotation) or (annotation,) if t is not type(None)]
+    return len(kinds) == 1 and typing.get_origin(kinds[0]) is tuple
 
 
 QUANTIZATIONS = ("none", "gguf", "int8")                 # what --quantization resolves to
@@ -171,6 +180,19 @@ class ServerArgs:
                                                          "waiting request preempts (retracts) "
                                                          "running ones whose priority is "
                                                          "more than this much lower.")
+    # ---- LoRA adapters (docs/models.md: "LoRA adapters") ----
+    enable_lora: bool = _opt(False, "Serve LoRA adapters of the model (PEFT directories or "
+                             "llama.cpp LoRA GGUFs): a request names one by `lora_path` "
+                             "(/generate) or `model` (the other routes); rows of different "
+                             "adapters share each step.")
+    lora_paths: tuple[str, ...] | None = _opt(None, "Adapters to load at start, each NAME=PATH "
+                                              "(or PATH, named by itself).")
+    max_loras_per_batch: int = _opt(8, "Most distinct adapters in one step (the base model "
+                                    "not counted); a request of another waits.")
+    max_loaded_loras: int = _opt(16, "Most adapters loaded at once; /load_lora_adapter "
+                                 "beyond it is refused until one is unloaded.")
+    max_lora_rank: int | None = _opt(None, "Refuse adapters of a higher rank (default: any "
+                                     "rank).")
     # ---- speculative decoding (docs/performance.md: "Speculative decoding") ----
     speculative_algorithm: str | None = _opt(None, "Guess tokens and verify several in one "
                                              "forward, keeping those the model agrees with "
@@ -280,15 +302,24 @@ class ServerArgs:
             kind = flag_type(f.type)
             if kind is bool:
                 parser.add_argument(flag, action="store_true", **meta)
+            elif takes_many(f.type):
+                parser.add_argument(flag, type=kind, nargs="+", default=f.default,
+                                    metavar=f.name.upper().removesuffix("S"), **meta)
             else:
                 if "choices" not in meta:           # argparse then shows {the,choices}
                     meta["metavar"] = f.name.upper()
                 parser.add_argument(flag, type=kind, default=f.default, **meta)
         return parser
 
+    @property
+    def lora_names(self) -> list[str]:
+        """The adapters --lora-paths loads at start, by name."""
+        return [lora_name(spec) for spec in self.lora_paths or ()]
+
     @classmethod
     def from_cli(cls, argv: list[str] | None = None) -> "ServerArgs":
-        args = cls(**vars(cls.parser().parse_args(argv)))
+        values = vars(cls.parser().parse_args(argv))
+        args = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
         args.check()
         return args
 
@@ -300,7 +331,8 @@ class ServerArgs:
                      "max_image_pixels", "max_images_per_request", "image_embedding_cache_mb",
                      "keep_alive_timeout", "send_timeout", "watchdog_timeout",
                      "speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
-                     "speculative_ngram_max_match_window_size"):
+                     "speculative_ngram_max_match_window_size", "max_loras_per_batch",
+                     "max_loaded_loras"):
             if not getattr(self, name) > 0 or getattr(self, name) == float("inf"):
                 _refuse(f"--{name.replace('_', '-')} must be positive")
         for name in ("max_queued_requests", "request_timeout", "context_length"):
@@ -332,6 +364,16 @@ class ServerArgs:
                         "the KV pool is sized before the draft model is loaded")
         if self.speculative_num_draft_tokens > MAX_DRAFT_TOKENS:
             _refuse(f"--speculative-num-draft-tokens must be at most {MAX_DRAFT_TOKENS}")
+        if self.max_lora_rank is not None and self.max_lora_rank <= 0:
+            _refuse("--max-lora-rank must be positive")
+        if (self.lora_paths or self.max_lora_rank is not None) and not self.enable_lora:
+            _refuse("--lora-paths and --max-lora-rank need --enable-lora")
+        names = self.lora_names
+        if len(set(names)) != len(names):
+            _refuse(f"--lora-paths names an adapter twice: {names}")
+        if len(names) > self.max_loaded_loras:
+            _refuse(f"--lora-paths loads {len(names)} adapters, more than --max-loaded-loras "
+                    f"({self.max_loaded_loras})")
         if self.shutdown_timeout < 0:
             _refuse("--shutdown-timeout must not be negative")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:
@@ -350,6 +392,15 @@ class ServerArgs:
             if self.dp_size != 1:
                 _refuse("--nnodes > 1 spans one model's tensor-parallel ranks: use "
                         "--dp-size 1 (or run a server per node behind a router)")
+
+
+def lora_name(spec: str) -> str:
+    """--lora-paths' NAME=PATH -> NAME (PATH alone: named by itself)."""
+    return spec.partition("=")[0] if "=" in spec else spec
+
+
+def lora_path(spec: str) -> str:
+    return spec.partition("=")[2] if "=" in spec else spec
 
 
 def split_host_port(addr: str) -> tuple[str, int]:

@@ -1,0 +1,348 @@
+"""LoRA adapters over a loaded CausalLM: reading them (PEFT's directory format, llama.cpp's
+LoRA GGUF), holding them in slots, and adding their low-rank products to the base layers'
+outputs, grouped per adapter, for steps whose rows use different adapters (and none).
+
+    lora = LoraSet(model, slots)            # wraps the targetable linears once (LoraLinear)
+    rank = lora.load(slot, path)            # an adapter's weights into slot (replaces it)
+    lora.unload(slot)
+    with lora.step(runs):                   # runs: [(slot, lo, hi)], rows lo..hi-1 use slot
+        hidden = model(...)
+
+What an adapter may target: per decoder layer the attention's q/k/v/o projections and the
+MLP's gate/up/down (PEFT's names; Phi-3's fused qkv_proj and gate_up_proj as they are), any
+rank and alpha, rsLoRA (alpha / sqrt(r)) where the config says, alpha_pattern / rank_pattern.
+Refused with a message naming what: DoRA, biases, modules_to_save, adapters of the
+embedding or the LM head, of a mixture of experts' experts, layers the model lacks, and
+weights in PyTorch's pickle format (adapter_model.bin: nothing is unpickled).
+
+The product, for a base layer y = W x of our fused layout (qkv_proj's output is q, then k,
+then v): each targeted part p has A_p [r_p, in] and B_p [out_p, r_p] and adds
+scale_p * B_p A_p x to its rows of y. We hold per (layer, module) A = the parts' A_p stacked
+[R, in] and B = a block-diagonal [out, R] with scale_p folded in (an untargeted part's rows
+zero), so an adapter's share of a fused layer is two matmuls: y[rows] += (x[rows] A^T) B^T.
+
+Grouping: the scheduler orders a step's segments by adapter within its decode part and
+within its prefill part (scheduler.py), so an adapter's rows are at most two contiguous
+runs and the step is a short list of runs (runner.py: lora_runs). A LoraLinear adds each
+run's product in place: two matmuls a run, no gather, no per-row loop. A step with no runs
+costs one attribute test per layer; FastDecode (one C call per decode step) declines steps
+with runs (CausalLM.forward).
+
+Tensor parallelism (models/tp.py): a column-parallel part (q, k, v, gate, up) keeps its B's
+rows that the rank's base weight holds, A whole; a row-parallel one (o, down) keeps A's
+columns of the rank's input, B whole, so each rank adds its partial product before the
+all-reduce that joins the base layer's partial sums (sum_r B A_r x_r = B A x).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+# A checkpoint part -> (our module, part index in its fused output, the part names of that
+# module in output order). PEFT's target names; Phi-3's fused ones are one part each.
+MODULES = {
+    "q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
+    "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", 0),
+    "qkv_proj": ("self_attn.qkv_proj", None), "gate_up_proj": ("mlp.gate_up_proj", None),
+}
+ROW_PARALLEL = ("o_proj", "down_proj")
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)\.lora_([AB])\.weight$")
+# llama.cpp's LoRA GGUF tensor names (convert_lora_to_gguf.py): blk.N.<ggml name>.weight.lora_a
+_GGUF_KEY = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight\.lora_([ab])$")
+GGUF_PARTS = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
+              "attn_output": "o_proj", "ffn_gate": "gate_proj", "ffn_up": "up_proj",
+              "ffn_down": "down_proj", "attn_qkv": "qkv_proj"}
+MAX_ADAPTER_BYTES = 4 << 30         # adapter files larger than this are refused
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served here (the message says why, for the client)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One targeted part of one layer: A [r, in], B [out, r], its scale (alpha / r)."""
+
+    layer: int
+    name: str                   # q_proj ... down_proj, or Phi-3's qkv_proj / gate_up_proj
+    a: Tensor
+    b: Tensor
+    scale: float
+    from_gguf: bool = False     # llama.cpp permuted a llama-family q/k B's rows (gguf.py)
+
+
+# ---- reading ---------------------------------------------------------------------------------
+
+def read_adapter(path: str | Path) -> list[Part]:
+    """The parts of a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)
+    or a llama.cpp LoRA GGUF file, float32 on the CPU; AdapterError if it is neither or
+    holds what we do not serve (module docstring)."""
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return _read_gguf(p)
+    if not p.is_dir():
+        raise AdapterError(f"{path}: not a PEFT adapter directory or a .gguf LoRA file")
+    config_path, weights = p / "adapter_config.json", p / "adapter_model.safetensors"
+    if not config_path.is_file():
+        raise AdapterError(f"{path}: no adapter_config.json")
+    if not weights.is_file():
+        raise AdapterError(f"{path}: no adapter_model.safetensors (a .bin adapter is a "
+                           f"pickle, which zserve does not load)")
+    if weights.stat().st_size > MAX_ADAPTER_BYTES:
+        raise AdapterError(f"{path}: the adapter is larger than {MAX_ADAPTER_BYTES >> 30} GiB")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"{path}: adapter_config.json is not JSON: {e}") from None
+    _check_config(config, path)
+    alpha = float(config.get("lora_alpha") or config.get("r") or 8)
+    rslora = bool(config.get("use_rslora"))
+    alpha_pattern = config.get("alpha_pattern") or {}
+    from safetensors import safe_open
+    tensors: dict[tuple[int, str], dict[str, Tensor]] = {}
+    with safe_open(weights, framework="pt", device="cpu") as f:
+        for key in f.keys():
+            m = _KEY.search(key)
+            if m is None:
+                raise AdapterError(f"{path}: {key!r} is not a LoRA weight of an attention or "
+                                   f"MLP projection (embedding, LM head, expert and DoRA "
+                                   f"adapters are not supported)")
+            layer, _, name, ab = int(m[1]), m[2], m[3], m[4]
+            if name not in MODULES:
+                raise AdapterError(f"{path}: {key!r} targets {name}, which zserve does not "
+                                   f"adapt")
+            tensors.setdefault((layer, name), {})[ab] = f.get_tensor(key).float()
+    parts = []
+    for (layer, name), ab in sorted(tensors.items()):
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"{path}: layer {layer} {name} has lora_{''.join(ab)} only")
+        r = ab["A"].shape[0]
+        part_alpha = float(_pattern(alpha_pattern, f"layers.{layer}.{name}", alpha))
+        parts.append(Part(layer, name, ab["A"], ab["B"],
+                          part_alpha / (math.sqrt(r) if rslora else r)))
+    if not parts:
+        raise AdapterError(f"{path}: the adapter holds no LoRA weights")
+    return parts
+
+
+def _check_config(config: dict, path) -> None:
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{path}: peft_type {config.get('peft_type')!r}: only LORA adapters "
+                           f"are served")
+    if config.get("use_dora"):
+        raise AdapterError(f"{path}: DoRA adapters (use_dora) are not supported")
+    if config.get("bias", "none") != "none":
+        raise AdapterError(f"{path}: adapters that train biases (bias "
+                           f"{config.get('bias')!r}) are not supported")
+    if config.get("modules_to_save"):
+        raise AdapterError(f"{path}: modules_to_save (whole trained modules) is not supported")
+    if config.get("fan_in_fan_out"):
+        raise AdapterError(f"{path}: fan_in_fan_out (GPT-2's Conv1D layers) is not supported")
+
+
+def _pattern(patterns: dict, name: str, default):
+    """PEFT's alpha_pattern lookup: the first key that matches the end of the module name."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return default
+
+
+def _read_gguf(path: Path) -> list[Part]:
+    """llama.cpp's LoRA GGUF (general.type "adapter", adapter.type "lora"): lora_a [r, in] and
+    lora_b [out, r] per tensor (shapes as torch reads them), float types only; scale
+    adapter.lora.alpha / r (llama.cpp's, with --lora's scale 1)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:      # noqa: BLE001 - any parse failure is the file's
+        raise AdapterError(f"{path}: not a readable GGUF file: {e}") from None
+
+    def field(name):
+        f = reader.fields.get(name)
+        return None if f is None else f.contents()
+    if field("general.type") != "adapter" or field("adapter.type") != "lora":
+        raise AdapterError(f"{path}: not a LoRA adapter GGUF (general.type "
+                           f"{field('general.type')!r}, adapter.type {field('adapter.type')!r})")
+    alpha = field("adapter.lora.alpha")
+    tensors: dict[tuple[int, str], dict[str, Tensor]] = {}
+    for t in reader.tensors:
+        m = _GGUF_KEY.match(t.name)
+        if m is None or m[2] not in GGUF_PARTS:
+            raise AdapterError(f"{path}: {t.name!r} is not a LoRA weight of an attention or "
+                               f"MLP projection")
+        values = dequantize(t.data, t.tensor_type)
+        shape = [int(d) for d in reversed(t.shape.tolist())]
+        tensors.setdefault((int(m[1]), GGUF_PARTS[m[2]]), {})[m[3].upper()] = \
+            torch.from_numpy(values.reshape(shape).copy()).float()
+    parts = []
+    for (layer, name), ab in sorted(tensors.items()):
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"{path}: layer {layer} {name} has lora_{''.join(ab).lower()} "
+                               f"only")
+        r = ab["A"].shape[0]
+        parts.append(Part(layer, name, ab["A"], ab["B"], (float(alpha) if alpha else r) / r,
+                          from_gguf=True))
+    if not parts:
+        raise AdapterError(f"{path}: the adapter holds no LoRA weights")
+    return parts
+
+
+# ---- serving ---------------------------------------------------------------------------------
+
+class LoraLinear(nn.Module):
+    """A base linear layer plus the low-rank products of the step's adapter runs. `base` keeps
+    its own type (float, packed, or GGUF blocks) and its own kernel."""
+
+    def __init__(self, base: nn.Module, key: tuple[int, str], lora: "LoraSet"):
+        super().__init__()
+        self.base = base
+        self.key = key                  # (layer, our module name)
+        self._lora = [lora]             # a list: not a submodule
+        self.in_features, self.out_features = base.in_features, base.out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.base(x)
+        lora = self._lora[0]
+        if lora.runs:
+            for slot, lo, hi in lora.runs:
+                w = lora.weights[slot].get(self.key)
+                if w is not None:
+                    y[lo:hi].addmm_(x[lo:hi] @ w[0].t(), w[1].t())
+        return y
+
+
+class LoraSet:
+    """Adapter slots over one model (one rank's share under TP): `weights[slot]` maps
+    (layer, module) -> (A [R, in], B [out, R]) in the model's dtype on its device."""
+
+    def __init__(self, model: nn.Module, slots: int):
+        self.model = model
+        self.shard = getattr(model, "shard", None)
+        self.weights: list[dict[tuple[int, str], tuple[Tensor, Tensor]]] = [
+            {} for _ in range(slots)]
+        self.runs: list[tuple[int, int, int]] = []
+        self.dtype = model.embed_tokens.weight.dtype
+        self.device = model.cos_sin.device
+        self.modules: dict[tuple[int, str], LoraLinear] = {}
+        for i, layer in enumerate(model.layers):
+            for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                         "mlp.down_proj"):
+                parent_name, _, leaf = name.rpartition(".")
+                parent = layer.get_submodule(parent_name)
+                base = getattr(parent, leaf, None)
+                if base is None:                # a mixture of experts' layer has no MLP
+                    continue
+                wrapped = LoraLinear(base, (i, name), self)
+                setattr(parent, leaf, wrapped)
+                self.modules[(i, name)] = wrapped
+        model.lora = self
+
+    @contextlib.contextmanager
+    def step(self, runs: list[tuple[int, int, int]]):
+        self.runs = runs
+        try:
+            yield
+        finally:
+            self.runs = []
+
+    def load(self, slot: int, path: str | Path, max_rank: int | None = None) -> int:
+        """Read the adapter at `path` into `slot`; returns its largest rank. AdapterError if it
+        does not fit this model, or its rank is above max_rank (slot unchanged)."""
+        parts = read_adapter(path)
+        rank = max(p.a.shape[0] for p in parts)
+        if max_rank is not None and rank > max_rank:
+            raise AdapterError(f"{path}: rank {rank} is above --max-lora-rank {max_rank}")
+        self.weights[slot] = self.build(parts, str(path))
+        return rank
+
+    def unload(self, slot: int) -> None:
+        self.weights[slot] = {}
+
+    def build(self, parts: list[Part], where: str) -> dict:
+        """parts -> weights per (layer, module), this rank's share (module docstring)."""
+        config = self.model.config if self.shard is None else self.shard.full
+        by_module: dict[tuple[int, str], list[Part]] = {}
+        for p in parts:
+            module, _ = MODULES[p.name]
+            if (p.layer, module) not in self.modules:
+                raise AdapterError(f"{where}: layer {p.layer} {p.name} is not in this model "
+                                   f"({config.num_layers} layers"
+                                   f"{', experts are not adapted' if module.startswith('mlp') else ''})")
+            by_module.setdefault((p.layer, module), []).append(p)
+        out = {}
+        for key, group in by_module.items():
+            out[key] = self._fuse(key, group, config, where)
+        return out
+
+    def _fuse(self, key, group: list[Part], config, where: str) -> tuple[Tensor, Tensor]:
+        """A [R, in] and block-diagonal B [out, R] (scales folded in) of one module."""
+        layer, module = key
+        base = self.modules[key]
+        full_parts = _part_rows(module, config)             # [(part name, full rows)]
+        names = [n for n, _ in full_parts]
+        a_blocks, b_cols = [], []
+        for p in group:
+            a, b = p.a, p.b * p.scale
+            r = a.shape[0]
+            if p.from_gguf and p.name in ("q_proj", "k_proj"):
+                from .gguf import _permuted_heads, _unpermute_rows
+                heads = _permuted_heads(config).get(
+                    f"blk.{layer}.attn_{p.name[0]}.weight")
+                if heads is not None and b.shape[0] == heads * config.head_dim:
+                    b = _unpermute_rows(b, heads, config.head_dim)
+            if b.shape[1] != r:
+                raise AdapterError(f"{where}: layer {layer} {p.name}: lora_A has rank {r}, "
+                                   f"lora_B {b.shape[1]}")
+            full_in = config.hidden_size if p.name not in ROW_PARALLEL else (
+                config.num_heads * config.head_dim if p.name == "o_proj"
+                else config.intermediate_size)
+            if p.name in names:
+                rows = full_parts[names.index(p.name)][1]
+                lo = sum(n for _, n in full_parts[:names.index(p.name)])
+            else:                                            # Phi-3's fused part: all rows
+                rows, lo = sum(n for _, n in full_parts), 0
+            if tuple(a.shape) != (r, full_in) or tuple(b.shape) != (rows, r):
+                raise AdapterError(f"{where}: layer {layer} {p.name}: lora_A {tuple(a.shape)} "
+                                   f"and lora_B {tuple(b.shape)} do not fit the model's "
+                                   f"{full_in} -> {rows}")
+            full_b = torch.zeros(sum(n for _, n in full_parts), r)
+            full_b[lo:lo + rows] = b
+            if self.shard is not None:
+                if p.name in ROW_PARALLEL:
+                    a = self.shard.select(p.name, "weight").take(a)
+                else:
+                    full_b = self.shard.select_fused(tuple(names), "weight").take(full_b)
+            a_blocks.append(a)
+            b_cols.append(full_b)
+        a_all = torch.cat(a_blocks).contiguous()
+        b_all = torch.cat(b_cols, dim=1).contiguous()
+        if b_all.shape[0] != base.out_features or a_all.shape[1] != base.in_features:
+            raise AdapterError(f"{where}: layer {layer} {module}: the adapter's shapes do not "
+                               f"fit this rank's layer")
+        return (a_all.to(device=self.device, dtype=self.dtype),
+                b_all.to(device=self.device, dtype=self.dtype))
+
+
+def _part_rows(module: str, config) -> list[tuple[str, int]]:
+    """The parts of one of our modules in output order, with their full row counts."""
+    if module == "self_attn.qkv_proj":
+        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        return [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
+    if module == "mlp.gate_up_proj":
+        return [("gate_proj", config.intermediate_size), ("up_proj", config.intermediate_size)]
+    if module == "self_attn.o_proj":
+        return [("o_proj", config.hidden_size)]
+    return [("down_proj", config.hidden_size)]
