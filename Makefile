@@ -45,7 +45,7 @@ AVX512_IN_USE := import sys, torch; from models import kernels; \
 # test_blocks.py calls both of blocks.c's builds by name; its QuantLinear tests take the
 # chosen one, so it runs again.
 KERNEL_TESTS := tests/test_kernels_build.py tests/test_ops.py tests/test_decode_attention.py \
-	tests/test_fast_decode.py tests/test_gguf.py tests/test_blocks.py
+	tests/test_fast_decode.py tests/test_gguf.py tests/test_blocks.py tests/test_lora.py
 AVX2_RUN := echo "kernel tests again, on the AVX2 kernels (ZSERVE_CPU_ISA=avx2):"; \
 	ZSERVE_CPU_ISA=avx2 $(PYTEST) -m "not e2e and not slow and not cuda" -k "not smollm2" \
 	$(KERNEL_TESTS)

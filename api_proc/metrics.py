@@ -86,6 +86,8 @@ class Metrics:
                                "(by the client, a timeout, shutdown or an error).")
         self.rejected = Counter("zserve:rejected_requests", "Requests refused before "
                                 "running (invalid, or the queue was full).", ["reason"])
+        self.adapter_requests = Counter("zserve:lora_requests", "Finished requests run under "
+                                        "a LoRA adapter (--enable-lora).", ["adapter"])
         self.in_flight = Gauge("zserve:requests_in_flight", "Requests the API processes "
                                "hold.", multiprocess_mode="livesum") if multi else \
             Gauge("zserve:requests_in_flight", "Requests the API processes hold.")
@@ -98,10 +100,14 @@ class Metrics:
                 self.itl.observe(seconds / tokens)
 
     def finished(self, out: TextOutput, route: str, ttft: float | None,
-                 e2e: float | None) -> None:
+                 e2e: float | None, lora: str | None = None) -> None:
         f = out.finish
         kind = f.type if f is not None else "abort"
         self.requests.labels(route, kind).inc()
+        if lora is not None and f is not None and f.status_code is None:
+            # Only requests that ran: a refused name (404) never makes a label, so clients
+            # cannot grow the label set; loaded names are the admin's.
+            self.adapter_requests.labels(lora).inc()
         self.prompt_tokens.inc(out.prompt_tokens)
         self.generation_tokens.inc(out.completion_tokens)
         self.cached_tokens.inc(out.cached_tokens)

@@ -322,7 +322,8 @@ class Dispatcher:
         if state.route is None:
             return
         t = state.timing
-        metrics().finished(out, state.route, t.first_token_latency, t.e2e_latency)
+        metrics().finished(out, state.route, t.first_token_latency, t.e2e_latency,
+                           state.lora)
         if request_log.isEnabledFor(logging.INFO):
             request_log.info("%s", request_line(state.user_rid, state.route, out,
                                                 t.first_token_latency, t.e2e_latency,

@@ -24,9 +24,13 @@ zero), so an adapter's share of a fused layer is two matmuls: y[rows] += (x[rows
 Grouping: the scheduler orders a step's segments by adapter within its decode part and
 within its prefill part (scheduler.py), so an adapter's rows are at most two contiguous
 runs and the step is a short list of runs (runner.py: lora_runs). A LoraLinear adds each
-run's product in place: two matmuls a run, no gather, no per-row loop. A step with no runs
-costs one attribute test per layer; FastDecode (one C call per decode step) declines steps
-with runs (CausalLM.forward).
+run's product in place: two matmuls a run, no gather, no per-row loop. In float32 where
+linear.c serves (kernels.linear_available) the whole list is one C call a layer
+(`zs_lora_f32`: A and B in linear.c's panels, each slot's pointers in the layer's `table`):
+torch's small matmuls cost ~13 us each in dispatch, which at 4 adapters and 32 rows of the
+135M shape took 0.58x of the base model's throughput; elsewhere (bfloat16, CUDA) torch's
+matmuls. A step with no runs costs one attribute test per layer; FastDecode (one C call
+per decode step) declines steps with runs (CausalLM.forward).
 
 Tensor parallelism (models/tp.py): a column-parallel part (q, k, v, gate, up) keeps its B's
 rows that the rank's base weight holds, A whole; a row-parallel one (o, down) keeps A's
@@ -45,6 +49,10 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+
+from models import kernels
+
+from .cpu_linear import to_panels
 
 # A checkpoint part -> (our module, part index in its fused output, the part names of that
 # module in output order). PEFT's target names; Phi-3's fused ones are one part each.
@@ -213,14 +221,25 @@ class LoraLinear(nn.Module):
         self._lora = [lora]             # a list: not a submodule
         self.in_features, self.out_features = base.in_features, base.out_features
 
+        # zs_lora_f32's table: per slot (A's panels, R, B's panels); R = 0: not adapted.
+        self.table = torch.zeros((len(lora.weights), 3), dtype=torch.int64)
+
     def forward(self, x: Tensor) -> Tensor:
         y = self.base(x)
         lora = self._lora[0]
-        if lora.runs:
-            for slot, lo, hi in lora.runs:
-                w = lora.weights[slot].get(self.key)
-                if w is not None:
-                    y[lo:hi].addmm_(x[lo:hi] @ w[0].t(), w[1].t())
+        if not lora.runs:
+            return y
+        if lora.kernel is not None and y.is_contiguous():
+            x = x.contiguous()
+            if lora.kernel(lora.avx512, x.data_ptr(), self.in_features, y.data_ptr(),
+                           self.out_features, lora.c_runs.data_ptr(), len(lora.runs),
+                           self.table.data_ptr()):
+                raise MemoryError("zs_lora_f32 could not allocate its scratch")
+            return y
+        for slot, lo, hi in lora.runs:
+            w = lora.weights[slot].get(self.key)
+            if w is not None:
+                y[lo:hi].addmm_(x[lo:hi] @ w[0].t(), w[1].t())
         return y
 
 
@@ -234,8 +253,13 @@ class LoraSet:
         self.weights: list[dict[tuple[int, str], tuple[Tensor, Tensor]]] = [
             {} for _ in range(slots)]
         self.runs: list[tuple[int, int, int]] = []
+        self.c_runs = torch.zeros((0, 3), dtype=torch.int64)      # the runs, for the kernel
         self.dtype = model.embed_tokens.weight.dtype
         self.device = model.cos_sin.device
+        self.kernel, self.avx512 = None, 0
+        if self.dtype == torch.float32 and kernels.linear_available(self.device, self.dtype):
+            self.kernel = kernels.library().zs_lora_f32
+            self.avx512 = int(kernels.available(self.device, self.dtype))
         self.modules: dict[tuple[int, str], LoraLinear] = {}
         for i, layer in enumerate(model.layers):
             for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
@@ -253,6 +277,8 @@ class LoraSet:
     @contextlib.contextmanager
     def step(self, runs: list[tuple[int, int, int]]):
         self.runs = runs
+        if self.kernel is not None and runs:
+            self.c_runs = torch.tensor(runs, dtype=torch.int64)
         try:
             yield
         finally:
@@ -265,10 +291,18 @@ class LoraSet:
         rank = max(p.a.shape[0] for p in parts)
         if max_rank is not None and rank > max_rank:
             raise AdapterError(f"{path}: rank {rank} is above --max-lora-rank {max_rank}")
+        self.unload(slot)
         self.weights[slot] = self.build(parts, str(path))
+        if self.kernel is not None:                 # the kernel's panels, in place of A, B
+            for key, (a, b) in self.weights[slot].items():
+                r, a, b = a.shape[0], to_panels(a), to_panels(b)
+                self.weights[slot][key] = (a, b)
+                self.modules[key].table[slot] = torch.tensor([a.data_ptr(), r, b.data_ptr()])
         return rank
 
     def unload(self, slot: int) -> None:
+        for module in self.modules.values():
+            module.table[slot] = 0
         self.weights[slot] = {}
 
     def build(self, parts: list[Part], where: str) -> dict:

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from checkpoints.tiny import ensure_checkpoint
+from models import kernels
 from models.lora import AdapterError, LoraSet, read_adapter
 from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.runner import ModelRunner
@@ -157,6 +158,49 @@ def test_adapter_rows_of_one_batch_follow_peft(llama, adapters):
     lora.unload(1)
     assert close(our_logits(model, [seqs[0]], [(1, 0, n0)]), hf(torch.tensor([seqs[0]]))
                  .logits[0].detach())
+
+
+ISAS = [pytest.param("avx2", id="avx2"),
+        pytest.param("avx512", id="avx512", marks=pytest.mark.skipif(
+            not kernels.available("cpu", torch.float32),
+            reason="this CPU has no AVX-512 (or ZSERVE_CPU_ISA=avx2 asks for AVX2 only)"))]
+
+
+@pytest.mark.skipif(not kernels.linear_available("cpu", torch.float32),
+                    reason="no AVX2/FMA or no C compiler: torch's matmuls serve")
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("k, n, ranks", [(64, 96, (8, 0, 16)), (576, 960, (48, 16, 40)),
+                                         (37, 21, (3, 17, 5))])
+def test_the_kernels_runs_are_torchs_products(isa, k, n, ranks):
+    """linear.c's zs_lora_f32 against y[lo:hi] += (x A^T) B^T in float64: rows in runs of
+    several slots (one slot twice, one that does not adapt the layer: R = 0, rows left
+    alone), more rows than one pass of the kernel (64). Tolerance: each output sums R
+    products of a K-term float32 sum, the terms O(1): 1e-5 relative to the largest."""
+    from models.cpu_linear import to_panels
+
+    g = torch.Generator().manual_seed(k)
+    lib = kernels.library()
+    table = torch.zeros((4, 3), dtype=torch.int64)
+    held, weights = [], {}
+    for slot, r in zip((1, 2, 3), ranks):
+        if r:
+            a, b = torch.randn(r, k, generator=g), torch.randn(n, r, generator=g)
+            weights[slot] = (a, b)
+            pa, pb = to_panels(a), to_panels(b)
+            held += [pa, pb]
+            table[slot] = torch.tensor([pa.data_ptr(), r, pb.data_ptr()])
+    rows = 150
+    x, y = torch.randn(rows, k, generator=g), torch.randn(rows, n, generator=g)
+    runs = [(1, 0, 5), (2, 5, 9), (3, 20, 100), (1, 100, 101), (2, 120, 150)]
+    want = y.double().clone()
+    for slot, lo, hi in runs:
+        if slot in weights:
+            a, b = weights[slot]
+            want[lo:hi] += (x[lo:hi].double() @ a.double().t()) @ b.double().t()
+    c_runs = torch.tensor(runs, dtype=torch.int64)
+    assert lib.zs_lora_f32(int(isa == "avx512"), x.data_ptr(), k, y.data_ptr(), n,
+                           c_runs.data_ptr(), len(runs), table.data_ptr()) == 0
+    assert (y.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 def test_a_base_in_q8_0_blocks_takes_adapters_as_its_dequantized_floats(llama, adapters):
@@ -394,6 +438,7 @@ def check(adapters, llama, name, prompt, out) -> None:
     assert_greedy_match(out["output_ids"], ids, margins)
 
 
+@pytest.mark.e2e
 def test_each_adapter_alone_mixed_and_streamed_follows_transformers_peft(server, llama,
                                                                          adapters):
     ps = prompts(10, 6)
@@ -415,6 +460,7 @@ def test_each_adapter_alone_mixed_and_streamed_follows_transformers_peft(server,
         check(adapters, llama, name, p, out)
 
 
+@pytest.mark.e2e
 def test_dialects_take_the_adapter_as_model(server, llama, adapters):
     import anthropic
     import ollama
@@ -452,6 +498,7 @@ def test_dialects_take_the_adapter_as_model(server, llama, adapters):
     assert r.status_code == 404 and "zz" in r.json()["error"]["message"]
 
 
+@pytest.mark.e2e
 def test_the_prefix_cache_keys_by_adapter_and_logs_name_it(server):
     p = [699] + prompts(12, 1)[0] * 3        # no other prompt here starts with 699
     body = {"temperature": 0, "max_new_tokens": 2}
@@ -465,6 +512,7 @@ def test_the_prefix_cache_keys_by_adapter_and_logs_name_it(server):
     assert server.server_info()["lora_adapters"] == ["a1", "a2"]
 
 
+@pytest.mark.e2e
 def test_load_use_unload_and_reload_while_requests_run(server, llama, adapters):
     client = server.client
     p = prompts(13, 1)[0]
@@ -518,6 +566,7 @@ def test_load_use_unload_and_reload_while_requests_run(server, llama, adapters):
     wait_idle(server)
 
 
+@pytest.mark.e2e
 def test_adapters_under_two_tensor_parallel_ranks(llama, adapters, tmp_path):
     ps = prompts(14, 3)
     names = ["a1", None, "a2"]
@@ -535,6 +584,7 @@ def test_adapters_under_two_tensor_parallel_ranks(llama, adapters, tmp_path):
                                                      sampling_params=GREEDY)[-1])
 
 
+@pytest.mark.e2e
 def test_adapters_over_q8_0_blocks_follow_the_dequantized_model(llama, adapters, tmp_path):
     """--quantization int8: the reference is transformers + peft on the checkpoint whose
     linear weights are the Q8_0 blocks dequantized (blocks.c's output at a few requests)."""

@@ -66,6 +66,8 @@ SIGNATURES = {
     "zs_linear_bf16": [_p, _i64, _i64, _p, _i64, _p, _p],
     # the same panels on AVX2: (bf16, x, M, K, panels, N, bias or NULL, y)
     "zs_linear_avx2": [_int, _p, _i64, _i64, _p, _i64, _p, _p],
+    # LoRA runs (linear.c): (avx512, x, K, y, N, runs, nruns, table)
+    "zs_lora_f32": [_int, _p, _i64, _p, _i64, _p, _i64, _p],
     # (bf16, KV kind, q, q row stride, kv, int8 scales or NULL, table, ctx, rows, lens, B, H,
     # Hkv, D, scale, out)
     "zs_decode_attention": [_int, _int, _p, _i64, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64,
@@ -104,7 +106,7 @@ SIGNATURES = {
     # (requests in this model step, or 0: none) (blocks.c: the int8 rule's batch)
     "zs_set_step_batch": [_i64],
 }
-RESTYPES = {"zs_linear_quant": _int, "zs_decode_layers": _int, "zs_linear_blocks_avx2": _int,
+RESTYPES = {"zs_lora_f32": _int, "zs_linear_quant": _int, "zs_decode_layers": _int, "zs_linear_blocks_avx2": _int,
             "zs_linear_blocks_avx512": _int, "zs_linear_parts": _int,
             "zs_dequant_rows_avx2": _int, "zs_dequant_rows_avx512": _int}
 

@@ -19,6 +19,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "simd.h"
@@ -246,4 +247,55 @@ TARGET_AVX2 void zs_linear_avx2(int bf16, const void *x, int64_t M, int64_t K, c
             m0 += mr;
         }
     }
+}
+
+/* ---- LoRA products (models/lora.py: LoraLinear) --------------------------------------- */
+
+#define LORA_ROWS 64    /* rows of x per pass: the scratch holds LORA_ROWS x (R + N) floats */
+
+/* For each run r (runs[3r..3r+2] = slot, lo, hi): y[lo:hi] += (x[lo:hi] A^T) B^T, with the
+ * slot's A [R, K] and B [N, R] in this file's float32 panels: table[3 slot..] = {A's panels,
+ * R, B's panels}; R = 0: the adapter leaves this layer alone. x [*, K] and y [*, N] are
+ * contiguous float32. Both products are zs_linear_f32's (avx512) or zs_linear_avx2's, so
+ * each sum runs over its k in order; the delta is added to y once, row by row. Returns 0, or
+ * -1 if the scratch could not be grown (y untouched). */
+int zs_lora_f32(int avx512, const float *x, int64_t K, float *y, int64_t N,
+                const int64_t *runs, int64_t nruns, const int64_t *table) {
+    int64_t rmax = 0;
+    for (int64_t r = 0; r < nruns; r++) {
+        const int64_t rank = table[3 * runs[3 * r] + 1];
+        if (rank > rmax) rmax = rank;
+    }
+    if (rmax == 0) return 0;
+    /* The scratch is kept (per thread) and only grown: a fresh one of ~1 MB a call came
+     * from mmap, and its page faults cost more than the products. */
+    static __thread float *t = NULL;
+    static __thread int64_t held = 0;
+    const int64_t need = LORA_ROWS * (rmax + N);
+    if (need > held) {
+        float *grown = realloc(t, sizeof(float) * need);
+        if (!grown) return -1;
+        t = grown;
+        held = need;
+    }
+    float *d = t + LORA_ROWS * rmax;
+    for (int64_t r = 0; r < nruns; r++) {
+        const int64_t *w = table + 3 * runs[3 * r];
+        const int64_t rank = w[1];
+        if (rank == 0) continue;
+        const void *a = (const void *)(intptr_t)w[0], *b = (const void *)(intptr_t)w[2];
+        for (int64_t lo = runs[3 * r + 1], hi = runs[3 * r + 2]; lo < hi; lo += LORA_ROWS) {
+            const int64_t m = hi - lo < LORA_ROWS ? hi - lo : LORA_ROWS;
+            if (avx512) {
+                zs_linear_f32(x + lo * K, m, K, a, rank, NULL, t);
+                zs_linear_f32(t, m, rank, b, N, NULL, d);
+            } else {
+                zs_linear_avx2(0, x + lo * K, m, K, a, rank, NULL, t);
+                zs_linear_avx2(0, t, m, rank, b, N, NULL, d);
+            }
+            float *out = y + lo * N;
+            for (int64_t i = 0; i < m * N; i++) out[i] += d[i];
+        }
+    }
+    return 0;
 }
