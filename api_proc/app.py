@@ -176,6 +176,8 @@ def build_app(config: ServerConfig, dispatcher: Dispatcher, scheduler_info: dict
         if not args.enable_lora:
             return error_response("This server serves no LoRA adapters (start it with "
                                   "--enable-lora).", 400)
+        if op == "load" and name == config.served_model_name:
+            return error_response(f"`{name}` is the served model's name.", 400)
         if dispatcher.lost:
             return error_response(f"Server unhealthy: {dispatcher.lost}", 503)
         try:

@@ -39,12 +39,15 @@ from wire.sockets import Inbox, Outbox
 log = logging.getLogger(__name__)
 
 FLUSH_FORGET_AFTER = 60.0   # seconds: a flush some replica never answered is forgotten
+LORA_FORGET_AFTER = 900.0   # an adapter's unload waits for its requests: longer than the
+                            # API's wait for it (api_proc/state.py LORA_CONTROL_TIMEOUT)
 
 
 @dataclass(slots=True)
 class FlushJoin:
     api: int
     started: float
+    forget_after: float = FLUSH_FORGET_AFTER
     replies: list[ControlReply] = field(default_factory=list)
 
 
@@ -84,12 +87,13 @@ class Controller:
     def start_flush(self, msg: FlushCacheRequest) -> None:
         now = time.monotonic()
         for req_id in [k for k, j in self.flushes.items()
-                       if now - j.started > FLUSH_FORGET_AFTER]:
+                       if now - j.started > j.forget_after]:
             del self.flushes[req_id]
         if not 0 <= msg.api < self.api_servers or msg.req_id in self.flushes:
             self.dropped += 1
             return
-        self.flushes[msg.req_id] = FlushJoin(msg.api, now)
+        self.flushes[msg.req_id] = FlushJoin(msg.api, now, LORA_FORGET_AFTER if isinstance(
+            msg, LoraRequest) else FLUSH_FORGET_AFTER)
         self.broadcast(msg)
 
     def join_flush(self, reply: ControlReply) -> None:

@@ -2,8 +2,9 @@
 LoRA GGUF), holding them in slots, and adding their low-rank products to the base layers'
 outputs, grouped per adapter, for steps whose rows use different adapters (and none).
 
-    lora = LoraSet(model, slots)            # wraps the targetable linears once (LoraLinear)
+    lora = LoraSet(model, slots, dtype)     # wraps the targetable linears once (LoraLinear)
     rank = lora.load(slot, path)            # an adapter's weights into slot (replaces it)
+    files = read_files(path); lora.load_files(slot, files, path)    # the same, in two
     lora.unload(slot)
     with lora.step(runs):                   # runs: [(slot, lo, hi)], rows lo..hi-1 use slot
         hidden = model(...)
@@ -91,56 +92,108 @@ class Part:
 
 # ---- reading ---------------------------------------------------------------------------------
 
-def read_adapter(path: str | Path) -> list[Part]:
-    """The parts of a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)
-    or a llama.cpp LoRA GGUF file, float32 on the CPU; AdapterError if it is neither or
-    holds what we do not serve (module docstring)."""
+@dataclass(frozen=True, slots=True)
+class AdapterFiles:
+    """An adapter's files as read from disk: what every tensor-parallel rank parses (rank 0
+    reads them once and sends them: runner.py), so all ranks hold the same weights."""
+
+    kind: str                   # "peft" or "gguf"
+    config: str                 # adapter_config.json's text ("" for a GGUF)
+    data: bytes                 # adapter_model.safetensors, or the .gguf file
+
+
+def read_files(path: str | Path) -> AdapterFiles:
+    """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) or a
+    llama.cpp LoRA GGUF file, read; AdapterError if it is neither or too large."""
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
-        return _read_gguf(p)
-    if not p.is_dir():
+        weights, kind, config = p, "gguf", ""
+    elif p.is_dir():
+        weights, kind = p / "adapter_model.safetensors", "peft"
+        if not (p / "adapter_config.json").is_file():
+            raise AdapterError(f"{path}: no adapter_config.json")
+        if not weights.is_file():
+            raise AdapterError(f"{path}: no adapter_model.safetensors (a .bin adapter is a "
+                               f"pickle, which zserve does not load)")
+    else:
         raise AdapterError(f"{path}: not a PEFT adapter directory or a .gguf LoRA file")
-    config_path, weights = p / "adapter_config.json", p / "adapter_model.safetensors"
-    if not config_path.is_file():
-        raise AdapterError(f"{path}: no adapter_config.json")
-    if not weights.is_file():
-        raise AdapterError(f"{path}: no adapter_model.safetensors (a .bin adapter is a "
-                           f"pickle, which zserve does not load)")
-    if weights.stat().st_size > MAX_ADAPTER_BYTES:
-        raise AdapterError(f"{path}: the adapter is larger than {MAX_ADAPTER_BYTES >> 30} GiB")
     try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as e:
-        raise AdapterError(f"{path}: adapter_config.json is not JSON: {e}") from None
-    _check_config(config, path)
-    alpha = float(config.get("lora_alpha") or config.get("r") or 8)
-    rslora = bool(config.get("use_rslora"))
+        if weights.stat().st_size > MAX_ADAPTER_BYTES:
+            raise AdapterError(f"{path}: the adapter is larger than "
+                               f"{MAX_ADAPTER_BYTES >> 30} GiB")
+        if kind == "peft":
+            config = (p / "adapter_config.json").read_text(errors="replace")[:1 << 20]
+        return AdapterFiles(kind, config, weights.read_bytes())
+    except OSError as e:
+        raise AdapterError(f"{path}: cannot be read: {e}") from None
+
+
+def read_adapter(path: str | Path) -> list[Part]:
+    """The parts of the adapter at `path` (read_files, parse)."""
+    return parse(read_files(path), str(path))
+
+
+def parse(files: AdapterFiles, where: str) -> list[Part]:
+    """The adapter's parts, float32 on the CPU; AdapterError (naming `where`) for anything
+    it holds that we do not serve (module docstring), or that is not what it claims."""
+    try:
+        return _parse_gguf(files.data, where) if files.kind == "gguf" else \
+            _parse_peft(files, where)
+    except AdapterError:
+        raise
+    except Exception as e:      # noqa: BLE001 - a malformed file is the client's, not ours
+        raise AdapterError(f"{where}: not a LoRA adapter zserve can read "
+                           f"({type(e).__name__}: {e})") from None
+
+
+def _parse_peft(files: AdapterFiles, where: str) -> list[Part]:
+    try:
+        config = json.loads(files.config)
+    except ValueError as e:
+        raise AdapterError(f"{where}: adapter_config.json is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"{where}: adapter_config.json is not a JSON object")
+    _check_config(config, where)
+    alpha = config.get("lora_alpha") or config.get("r") or 8
     alpha_pattern = config.get("alpha_pattern") or {}
-    from safetensors import safe_open
+    if not isinstance(alpha, (int, float)) or not isinstance(alpha_pattern, dict) or \
+            not all(isinstance(v, (int, float)) for v in alpha_pattern.values()):
+        raise AdapterError(f"{where}: lora_alpha and alpha_pattern's values must be numbers")
+    rslora = bool(config.get("use_rslora"))
+    from safetensors.torch import load as load_safetensors
     tensors: dict[tuple[int, str], dict[str, Tensor]] = {}
-    with safe_open(weights, framework="pt", device="cpu") as f:
-        for key in f.keys():
-            m = _KEY.search(key)
-            if m is None:
-                raise AdapterError(f"{path}: {key!r} is not a LoRA weight of an attention or "
-                                   f"MLP projection (embedding, LM head, expert and DoRA "
-                                   f"adapters are not supported)")
-            layer, _, name, ab = int(m[1]), m[2], m[3], m[4]
-            if name not in MODULES:
-                raise AdapterError(f"{path}: {key!r} targets {name}, which zserve does not "
-                                   f"adapt")
-            tensors.setdefault((layer, name), {})[ab] = f.get_tensor(key).float()
+    paths: dict[tuple[int, str], str] = {}
+    for key, value in load_safetensors(files.data).items():
+        m = _KEY.search(key)
+        if m is None:
+            raise AdapterError(f"{where}: {key!r} is not a LoRA weight of an attention or "
+                               f"MLP projection (embedding, LM head, expert and DoRA "
+                               f"adapters are not supported)")
+        layer, name, ab = int(m[1]), m[3], m[4]
+        if name not in MODULES:
+            raise AdapterError(f"{where}: {key!r} targets {name}, which zserve does not adapt")
+        tensors.setdefault((layer, name), {})[ab] = value.float()
+        # PEFT matches alpha_pattern's keys against the module's path in the base model
+        paths[(layer, name)] = key.removeprefix("base_model.model.")[:-len(".lora_A.weight")]
     parts = []
     for (layer, name), ab in sorted(tensors.items()):
-        if set(ab) != {"A", "B"}:
-            raise AdapterError(f"{path}: layer {layer} {name} has lora_{''.join(ab)} only")
-        r = ab["A"].shape[0]
-        part_alpha = float(_pattern(alpha_pattern, f"layers.{layer}.{name}", alpha))
-        parts.append(Part(layer, name, ab["A"], ab["B"],
-                          part_alpha / (math.sqrt(r) if rslora else r)))
+        parts.append(_part(layer, name, ab, where, lambda r, key=(layer, name): float(
+            _pattern(alpha_pattern, paths[key], alpha)) / (math.sqrt(r) if rslora else r)))
     if not parts:
-        raise AdapterError(f"{path}: the adapter holds no LoRA weights")
+        raise AdapterError(f"{where}: the adapter holds no LoRA weights")
     return parts
+
+
+def _part(layer: int, name: str, ab: dict[str, Tensor], where: str, scale,
+          from_gguf: bool = False) -> Part:
+    """One part from its lora_A [r, in] and lora_B [out, r]; scale(r) -> its scale."""
+    if set(ab) != {"A", "B"}:
+        raise AdapterError(f"{where}: layer {layer} {name} has lora_{''.join(ab)} only")
+    a, b = ab["A"], ab["B"]
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or a.shape[0] == 0:
+        raise AdapterError(f"{where}: layer {layer} {name}: lora_A {tuple(a.shape)} and "
+                           f"lora_B {tuple(b.shape)} are not a low-rank pair")
+    return Part(layer, name, a, b, scale(a.shape[0]), from_gguf)
 
 
 def _check_config(config: dict, path) -> None:
@@ -166,18 +219,23 @@ def _pattern(patterns: dict, name: str, default):
     return default
 
 
-def _read_gguf(path: Path) -> list[Part]:
+def _parse_gguf(data: bytes, path: str) -> list[Part]:
     """llama.cpp's LoRA GGUF (general.type "adapter", adapter.type "lora"): lora_a [r, in] and
-    lora_b [out, r] per tensor (shapes as torch reads them), float types only; scale
-    adapter.lora.alpha / r (llama.cpp's, with --lora's scale 1)."""
+    lora_b [out, r] per tensor (shapes as torch reads them); scale adapter.lora.alpha / r
+    (llama.cpp's, with --lora's scale 1). The gguf library reads files: `data` goes through
+    a temporary one."""
+    import tempfile
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    try:
-        reader = GGUFReader(path)
-    except Exception as e:      # noqa: BLE001 - any parse failure is the file's
-        raise AdapterError(f"{path}: not a readable GGUF file: {e}") from None
+    with tempfile.NamedTemporaryFile(suffix=".gguf") as f:
+        f.write(data)
+        f.flush()
+        reader = GGUFReader(f.name)
+        return _gguf_parts(reader, dequantize, path)
 
+
+def _gguf_parts(reader, dequantize, path: str) -> list[Part]:
     def field(name):
         f = reader.fields.get(name)
         return None if f is None else f.contents()
@@ -195,14 +253,10 @@ def _read_gguf(path: Path) -> list[Part]:
         shape = [int(d) for d in reversed(t.shape.tolist())]
         tensors.setdefault((int(m[1]), GGUF_PARTS[m[2]]), {})[m[3].upper()] = \
             torch.from_numpy(values.reshape(shape).copy()).float()
-    parts = []
-    for (layer, name), ab in sorted(tensors.items()):
-        if set(ab) != {"A", "B"}:
-            raise AdapterError(f"{path}: layer {layer} {name} has lora_{''.join(ab).lower()} "
-                               f"only")
-        r = ab["A"].shape[0]
-        parts.append(Part(layer, name, ab["A"], ab["B"], (float(alpha) if alpha else r) / r,
-                          from_gguf=True))
+    if alpha is not None and not isinstance(alpha, (int, float)):
+        raise AdapterError(f"{path}: adapter.lora.alpha must be a number")
+    parts = [_part(layer, name, ab, path, lambda r: (float(alpha) if alpha else r) / r,
+                   from_gguf=True) for (layer, name), ab in sorted(tensors.items())]
     if not parts:
         raise AdapterError(f"{path}: the adapter holds no LoRA weights")
     return parts
@@ -247,14 +301,15 @@ class LoraSet:
     """Adapter slots over one model (one rank's share under TP): `weights[slot]` maps
     (layer, module) -> (A [R, in], B [out, R]) in the model's dtype on its device."""
 
-    def __init__(self, model: nn.Module, slots: int):
+    def __init__(self, model: nn.Module, slots: int, dtype: torch.dtype):
+        """dtype: the model's (its linear layers' inputs and outputs)."""
         self.model = model
         self.shard = getattr(model, "shard", None)
         self.weights: list[dict[tuple[int, str], tuple[Tensor, Tensor]]] = [
             {} for _ in range(slots)]
         self.runs: list[tuple[int, int, int]] = []
         self.c_runs = torch.zeros((0, 3), dtype=torch.int64)      # the runs, for the kernel
-        self.dtype = model.embed_tokens.weight.dtype
+        self.dtype = dtype
         self.device = model.cos_sin.device
         self.kernel, self.avx512 = None, 0
         if self.dtype == torch.float32 and kernels.linear_available(self.device, self.dtype):
@@ -285,14 +340,20 @@ class LoraSet:
             self.runs = []
 
     def load(self, slot: int, path: str | Path, max_rank: int | None = None) -> int:
-        """Read the adapter at `path` into `slot`; returns its largest rank. AdapterError if it
-        does not fit this model, or its rank is above max_rank (slot unchanged)."""
-        parts = read_adapter(path)
+        """Read the adapter at `path` into `slot` (load_files)."""
+        return self.load_files(slot, read_files(path), str(path), max_rank)
+
+    def load_files(self, slot: int, files: AdapterFiles, where: str,
+                   max_rank: int | None = None) -> int:
+        """An adapter's files into `slot`; returns its largest rank. AdapterError (naming
+        `where`) if it does not fit this model, or its rank is above max_rank: then the
+        slot is left empty."""
+        parts = parse(files, where)
         rank = max(p.a.shape[0] for p in parts)
         if max_rank is not None and rank > max_rank:
-            raise AdapterError(f"{path}: rank {rank} is above --max-lora-rank {max_rank}")
+            raise AdapterError(f"{where}: rank {rank} is above --max-lora-rank {max_rank}")
         self.unload(slot)
-        self.weights[slot] = self.build(parts, str(path))
+        self.weights[slot] = self.build(parts, where)
         if self.kernel is not None:                 # the kernel's panels, in place of A, B
             for key, (a, b) in self.weights[slot].items():
                 r, a, b = a.shape[0], to_panels(a), to_panels(b)

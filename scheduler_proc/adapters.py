@@ -24,9 +24,21 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
+from scheduler_proc.runner import leaves_device_unknown
+from wire.messages import MAX_LORA_NAME
 from wire.server_args import ServerArgs, lora_name, lora_path
 
 log = logging.getLogger(__name__)
+
+
+def name_problem(name: str) -> str | None:
+    """Why `name` cannot name an adapter (a client could never reach it), or None."""
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_LORA_NAME:
+        return f"An adapter's name is a non-empty string of at most {MAX_LORA_NAME} characters."
+    if name == "default" or ":" in name:
+        return (f"`{name}` cannot name an adapter: \"default\" is the served model, and \":\" "
+                f"separates an Ollama model's tag.")
+    return None
 
 
 @dataclass(slots=True)
@@ -68,10 +80,16 @@ class Adapters:
                  "unloading": a.draining} for a in self.by_name.values()]
 
     def load(self, name: str, path: str) -> tuple[bool, str]:
-        if not name or not path:
-            return False, "lora_name and lora_path must be non-empty strings."
+        """Load `name` from `path`. The same name from the same path again is a success
+        (nothing reloaded): a load that failed on some data-parallel replicas converges when
+        retried."""
+        if (problem := name_problem(name)) is not None or not path:
+            return False, problem or "lora_path must be a non-empty string."
         if name in self.by_name:
-            what = "being unloaded" if self.by_name[name].draining else "already loaded"
+            adapter = self.by_name[name]
+            if adapter.path == path and not adapter.draining:
+                return True, f"The adapter `{name}` is loaded (from {path} already)."
+            what = "being unloaded" if adapter.draining else f"already loaded from {adapter.path}"
             return False, f"The adapter `{name}` is {what}."
         used = {a.slot for a in self.by_name.values()}
         free = next((s for s in range(1, self.max_loaded + 1) if s not in used), None)
@@ -80,7 +98,10 @@ class Adapters:
                            f"unload one first.")
         try:
             rank = self.runner.load_adapter(free, path, self.max_rank)
-        except (ValueError, OSError) as e:          # AdapterError is a ValueError
+        except Exception as e:          # noqa: BLE001 - the adapter's fault (AdapterError,
+            if leaves_device_unknown(e):            # out of memory), not the server's
+                raise
+            log.warning("loading LoRA adapter %s from %s failed: %s", name, path, e)
             return False, f"Cannot load the adapter `{name}`: {e}"
         self.by_name[name] = Adapter(name, path, free, next(self._uids), rank)
         log.info("loaded LoRA adapter %s (rank %d) from %s into slot %d", name, rank, path,

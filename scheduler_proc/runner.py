@@ -78,7 +78,8 @@ from scheduler_proc.speculative import accepted_run
 from models.distributed import SOLO, TPFault, rank_device
 from models.quant_linear import step_batch
 from wire.codec import encode
-from wire.messages import StepPlan, TableWrite, TPInit
+from models.lora import AdapterFiles, LoraSet, read_files
+from wire.messages import LoraLoad, StepPlan, TableWrite, TPInit
 from wire.server_args import ServerArgs, ServerConfig
 
 log = logging.getLogger(__name__)
@@ -184,10 +185,9 @@ class ModelRunner:
         # LoRA adapters in slots 1..--max-loaded-loras (0: the base model), and rank 0's
         # loads since the last plan (tensor parallelism: every rank loads them).
         self.lora = None
-        self.lora_log: list[list[int | str]] = []
+        self.lora_log: list[LoraLoad] = []
         if args.enable_lora:
-            from models.lora import LoraSet
-            self.lora = LoraSet(self.model, args.max_loaded_loras + 1)
+            self.lora = LoraSet(self.model, args.max_loaded_loras + 1, self.dtype)
         # A vision-language model's encoder, run on the images of each step (images.py).
         self.images = (None if self.model.vision is None else ImageEmbedder(
             self.model.vision, self.device, self.dtype,
@@ -238,26 +238,30 @@ class ModelRunner:
     # ---- LoRA adapters -------------------------------------------------------------------
 
     def load_adapter(self, slot: int, path: str, max_rank: int | None = None) -> int:
-        """Load the adapter at `path` into `slot` (rank 0: the followers at the next plan);
-        returns its rank. ValueError (models/lora.py: AdapterError) if it cannot serve
-        here, nothing loaded."""
-        rank = self.lora.load(slot, path, max_rank)
+        """Load the adapter at `path` into `slot`; returns its rank. AdapterError (a
+        ValueError) if it cannot serve here: nothing loaded. Rank 0 under tensor
+        parallelism: the files it read go to the followers with the next plan (they parse
+        the same bytes, never the path again)."""
+        files = read_files(path)
+        rank = self.lora.load_files(slot, files, path, max_rank)
         if self.tp.size > 1:
-            self.lora_log.append([slot, path])
+            self.lora_log.append(LoraLoad(slot, files.kind, files.config, files.data))
         return rank
 
     def unload_adapter(self, slot: int) -> None:
         self.lora.unload(slot)
         if self.tp.size > 1:
-            self.lora_log.append([slot, ""])
+            self.lora_log.append(LoraLoad(slot))
 
-    def apply_lora_loads(self, loads: list[list[int | str]]) -> None:
-        """A follower: rank 0's loads ([slot, path]) and unloads ([slot, ""]), in order."""
-        for slot, path in loads:
-            if path:
-                self.lora.load(int(slot), str(path))
+    def apply_lora_loads(self, loads: list[LoraLoad]) -> None:
+        """A follower: rank 0's loads and unloads, in order. Rank 0 loaded the same bytes:
+        a failure here is the follower's (its memory), fatal as any failed step."""
+        for load in loads:
+            if load.kind:
+                self.lora.load_files(load.slot, AdapterFiles(load.kind, load.config, load.data),
+                                     f"adapter in slot {load.slot}")
             else:
-                self.lora.unload(int(slot))
+                self.lora.unload(load.slot)
 
     # ---- one step -----------------------------------------------------------------------
 

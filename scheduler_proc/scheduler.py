@@ -587,7 +587,8 @@ class Scheduler:
         head, threshold = self.waiting[0], self.args.priority_scheduling_preemption_threshold
         room = self.kv.available - self.reserved()
         cost = self.admit_cost(head)
-        if len(self.running) < self.args.max_running_requests and cost <= room:
+        if len(self.running) < self.args.max_running_requests and cost <= room and \
+                (self.adapters is None or self.adapters.fits(self.running, head)):
             return
         victims: list[Req] = []
         for victim in sorted(self.running, key=self.rank, reverse=True):

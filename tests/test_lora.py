@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,6 +32,7 @@ import torch
 from checkpoints.tiny import ensure_checkpoint
 from models import kernels
 from models.lora import AdapterError, LoraSet, read_adapter
+from models.quant_linear import step_batch
 from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.runner import ModelRunner
 from scheduler_proc.scheduler import Scheduler
@@ -112,7 +114,9 @@ def our_logits(model, ids: list[list[int]], runs=()) -> torch.Tensor:
     flat = torch.tensor([t for s in ids for t in s])
     positions = torch.cat([torch.arange(len(s)) for s in ids])
     attn = DenseCausalAttention([len(s) for s in ids], model.attention_layers)
-    with model.lora.step(list(runs)):
+    # a step of len(ids) requests: layers in blocks multiply float activations, as the
+    # runner's steps of a few requests do (quant_linear.py: step_batch)
+    with model.lora.step(list(runs)), step_batch(len(ids)):
         return model.compute_logits(model(flat, positions, attn))
 
 
@@ -138,7 +142,7 @@ def test_adapter_rows_of_one_batch_follow_peft(llama, adapters):
     from models import load_model
 
     model = load_model(llama, torch.float32, "cpu")
-    lora = LoraSet(model, 3)
+    lora = LoraSet(model, 3, torch.float32)
     assert lora.load(1, adapters["a1"][0]) == 8 and lora.load(2, adapters["a2"][0]) == 16
     seqs = prompts(0, 3)
     refs = [peft_logits(llama, adapters["a1"][0], seqs[0]),
@@ -225,19 +229,51 @@ def test_a_base_in_q8_0_blocks_takes_adapters_as_its_dequantized_floats(llama, a
     seqs = prompts(1, 2)
     out = []
     for model in (quant, plain):
-        lora = LoraSet(model, 2)
+        lora = LoraSet(model, 2, torch.float32)
         lora.load(1, adapters["a1"][0])
         out.append(our_logits(model, seqs, [(1, 0, len(seqs[0]))]))
     assert close(*out)
 
 
+def test_a_gguf_base_in_its_blocks_takes_adapters_as_its_dequantized_floats(llama, adapters,
+                                                                           tmp_path):
+    """--quantization gguf (QuantLinear layers, a QuantEmbedding) against the same file
+    dequantized (none)."""
+    import gguf
+    from models import load_model
+    from tests.test_gguf import write_gguf
+
+    path = write_gguf(llama, tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q8_0)
+    if not kernels.avx2_available("cpu"):
+        pytest.skip("no AVX2 kernels here: GGUF blocks are dequantized")
+    seqs = prompts(3, 2)
+    out = []
+    for quantization in ("gguf", "none"):
+        model = load_model(path, torch.float32, "cpu", quantization=quantization)
+        lora = LoraSet(model, 2, torch.float32)
+        lora.load(1, adapters["a1"][0])
+        out.append(our_logits(model, seqs, [(1, len(seqs[0]), len(seqs[0]) + len(seqs[1]))]))
+    assert close(*out)
+
+
 def test_scales_rslora_and_alpha_pattern(llama, tmp_path):
     make_adapter(llama, tmp_path / "p", 4, ["q_proj", "down_proj"], 3, use_rslora=True,
-                 alpha_pattern={"down_proj": 2})
+                 alpha_pattern={"down_proj": 2, "model.layers.1.self_attn.q_proj": 32})
     parts = read_adapter(tmp_path / "p")
     assert {p.name for p in parts} == {"q_proj", "down_proj"}
-    assert {p.name: p.scale for p in parts if p.layer == 0} == \
-        {"q_proj": 8 / 4 ** 0.5, "down_proj": 2 / 4 ** 0.5}
+    assert {(p.layer, p.name): p.scale for p in parts if p.layer < 2} == {
+        (0, "q_proj"): 8 / 4 ** 0.5, (0, "down_proj"): 2 / 4 ** 0.5,
+        (1, "q_proj"): 32 / 4 ** 0.5, (1, "down_proj"): 2 / 4 ** 0.5}
+    # peft's own scaling for the same config, module by module
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(llama),
+                                           tmp_path / "p")
+    layers = peft_model.base_model.model.model.layers
+    for p in parts:
+        module = getattr(layers[p.layer].self_attn if p.name == "q_proj" else
+                         layers[p.layer].mlp, p.name)
+        assert module.scaling["default"] == pytest.approx(p.scale)
 
 
 @pytest.mark.parametrize("config,fragment", [
@@ -257,7 +293,7 @@ def test_a_pickled_adapter_is_not_loaded_and_ranks_are_bounded(llama, adapters, 
     with pytest.raises(AdapterError, match="pickle"):
         read_adapter(tmp_path)
     from models import load_model
-    lora = LoraSet(load_model(llama, torch.float32, "cpu"), 2)
+    lora = LoraSet(load_model(llama, torch.float32, "cpu"), 2, torch.float32)
     with pytest.raises(AdapterError, match="above --max-lora-rank 8"):
         lora.load(1, adapters["a2"][0], max_rank=8)
     assert lora.weights[1] == {}
@@ -294,7 +330,7 @@ def test_a_llama_cpp_lora_gguf_reads_as_its_peft_adapter(llama, adapters, tmp_pa
     writer.write_tensors_to_file()
     writer.close()
     model = load_model(llama, torch.float32, "cpu")
-    lora = LoraSet(model, 3)
+    lora = LoraSet(model, 3, torch.float32)
     lora.load(1, adapters["a1"][0])
     lora.load(2, tmp_path / "a1.gguf")
     seq = prompts(2, 1)[0]
@@ -394,7 +430,10 @@ def test_an_unload_waits_for_the_requests_using_the_adapter():
     assert reply.ok and reply.req_id == "u" and 1 not in s.runner.slots
     s.step([LoraRequest(req_id="l", op="load", name="a", path="pa2")])
     assert replies[-1].ok and s.load().lora_adapters == ["b", "c", "a"]
-    for req_id, op, name, path, fragment in (("e1", "load", "b", "pb", "already loaded"),
+    s.step([LoraRequest(req_id="again", op="load", name="b", path="pb")])
+    assert replies[-1].ok and "already" in replies[-1].message        # the same: converges
+    for req_id, op, name, path, fragment in (("e1", "load", "b", "pb2", "already loaded"),
+                                             ("e4", "load", "x:1", "p", "cannot name"),
                                              ("e2", "load", "d", "missing", "no such"),
                                              ("e3", "unload", "zz", "", "not loaded")):
         s.step([LoraRequest(req_id=req_id, op=op, name=name, path=path)])
@@ -513,7 +552,7 @@ def test_the_prefix_cache_keys_by_adapter_and_logs_name_it(server):
 
 
 @pytest.mark.e2e
-def test_load_use_unload_and_reload_while_requests_run(server, llama, adapters):
+def test_load_use_unload_and_reload_while_requests_run(server, llama, adapters, tmp_path):
     client = server.client
     p = prompts(13, 1)[0]
     long = {"temperature": 0, "max_new_tokens": 300, "ignore_eos": True}
@@ -554,8 +593,24 @@ def test_load_use_unload_and_reload_while_requests_run(server, llama, adapters):
     check(adapters, llama, "a2", p, server.generate_ok(input_ids=p, lora_path="a3",
                                                        sampling_params=GREEDY))
     assert busy.result()["meta_info"]["completion_tokens"] == 300
+    for bad, fragment in (({"alpha_pattern": {"(": 1}}, "not a LoRA adapter"),
+                          ({"lora_alpha": [1]}, "numbers"), ([1, 2], "JSON object")):
+        path = tmp_path / f"bad{len(fragment)}"
+        shutil.copytree(adapters["a1"][0], path)
+        config = json.loads((path / "adapter_config.json").read_text())
+        (path / "adapter_config.json").write_text(json.dumps(
+            {**config, **bad} if isinstance(bad, dict) else bad))
+        r = client.post("/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(path)})
+        assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
+    (path / "adapter_config.json").write_text((adapters["a1"][0] / "adapter_config.json")
+                                              .read_text())
+    (path / "adapter_model.safetensors").write_bytes(b"\x10" * 64)        # corrupt
+    r = client.post("/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(path)})
+    assert r.status_code == 400 and "not a LoRA adapter" in r.json()["error"]["message"]
     for path, body, status, fragment in (
             ("/load_lora_adapter", {"lora_name": "a1", "lora_path": "/x"}, 400, "already"),
+            ("/load_lora_adapter", {"lora_name": "default", "lora_path": "/x"}, 400,
+             "cannot name"),
             ("/load_lora_adapter", {"lora_name": "a9", "lora_path": "/nope"}, 400, "/nope"),
             ("/load_lora_adapter", {"lora_name": "a9"}, 400, "lora_path"),
             ("/unload_lora_adapter", {"lora_name": "zz"}, 404, "not loaded"),

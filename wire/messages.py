@@ -401,6 +401,16 @@ class TPInit(WireStruct, tag=13):
     table_cols: int
 
 
+class LoraLoad(WireStruct):
+    """An adapter rank 0 loaded into `slot` since the previous plan, as its files were read
+    (models/lora.py AdapterFiles: every rank parses the same bytes); kind "": unloaded."""
+
+    slot: int
+    kind: str = ""
+    config: str = ""
+    data: bytes = b""
+
+
 class StepPlan(WireStruct, tag=14):
     """One forward step, as every rank executes it. The step's tokens are [decode rows...,
     prefill segments...]; `prefills` holds (table row, start, length) per segment;
@@ -424,10 +434,10 @@ class StepPlan(WireStruct, tag=14):
     embed_values: bytes = b""
     embed_positions: list[int] = field(default_factory=list)   # multimodal RoPE: [3, rows]
     # LoRA (models/lora.py): [slot, lo, hi] per run of rows using adapter `slot`; and the
-    # adapters rank 0 loaded ([slot, path]) or unloaded ([slot, ""]) since the last plan,
-    # which a follower applies before executing.
+    # adapters rank 0 loaded or unloaded since the last plan, which a follower applies, in
+    # order, before executing.
     lora_runs: list[list[int]] = field(default_factory=list)
-    lora_loads: list[list[int | str]] = field(default_factory=list)
+    lora_loads: list[LoraLoad] = field(default_factory=list)
 
 
 # ---- scheduler replica -> data-parallel controller (--dp-size > 1) --------------------------

@@ -32,6 +32,7 @@ import sys
 import typing
 from dataclasses import dataclass, field
 
+from wire.messages import MAX_LORA_NAME
 from wire.model_path import ModelFacts
 
 
@@ -369,6 +370,10 @@ class ServerArgs:
         if (self.lora_paths or self.max_lora_rank is not None) and not self.enable_lora:
             _refuse("--lora-paths and --max-lora-rank need --enable-lora")
         names = self.lora_names
+        for name in names:
+            if not 0 < len(name) <= MAX_LORA_NAME or name == "default" or ":" in name:
+                _refuse(f"--lora-paths: `{name}` cannot name an adapter (1 to {MAX_LORA_NAME} "
+                        f"characters, no ':', not \"default\")")
         if len(set(names)) != len(names):
             _refuse(f"--lora-paths names an adapter twice: {names}")
         if len(names) > self.max_loaded_loras:
