@@ -19,8 +19,9 @@ weights in PyTorch's pickle format (adapter_model.bin: nothing is unpickled).
 The product, for a base layer y = W x of our fused layout (qkv_proj's output is q, then k,
 then v): each targeted part p has A_p [r_p, in] and B_p [out_p, r_p] and adds
 scale_p * B_p A_p x to its rows of y. We hold per (layer, module) A = the parts' A_p stacked
-[R, in] and B = a block-diagonal [out, R] with scale_p folded in (an untargeted part's rows
-zero), so an adapter's share of a fused layer is two matmuls: y[rows] += (x[rows] A^T) B^T.
+[R, in] and each part's B_p with scale_p folded in (ModuleWeights), so an adapter's share of
+a fused layer is one shrink t = x A^T for all its parts, then per part
+y[:, its columns] += t[:, its r_p columns] B_p^T (an untargeted part costs nothing).
 
 Grouping: the scheduler orders a step's segments by adapter within its decode part and
 within its prefill part (scheduler.py), so an adapter's rows are at most two contiguous
@@ -65,6 +66,7 @@ MODULES = {
     "qkv_proj": ("self_attn.qkv_proj", None), "gate_up_proj": ("mlp.gate_up_proj", None),
 }
 ROW_PARALLEL = ("o_proj", "down_proj")
+LORA_ENTRY = 3 + 5 * 3          # linear.c's zs_lora_f32 table: a slot's entry, int64s
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)\.lora_([AB])\.weight$")
 # llama.cpp's LoRA GGUF tensor names (convert_lora_to_gguf.py): blk.N.<ggml name>.weight.lora_a
 _GGUF_KEY = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight\.lora_([ab])$")
@@ -275,8 +277,8 @@ class LoraLinear(nn.Module):
         self._lora = [lora]             # a list: not a submodule
         self.in_features, self.out_features = base.in_features, base.out_features
 
-        # zs_lora_f32's table: per slot (A's panels, R, B's panels); R = 0: not adapted.
-        self.table = torch.zeros((len(lora.weights), 3), dtype=torch.int64)
+        # zs_lora_f32's table: per slot (linear.c: LORA_ENTRY); R = 0: not adapted.
+        self.table = torch.zeros((len(lora.weights), LORA_ENTRY), dtype=torch.int64)
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.base(x)
@@ -292,20 +294,35 @@ class LoraLinear(nn.Module):
             return y
         for slot, lo, hi in lora.runs:
             w = lora.weights[slot].get(self.key)
-            if w is not None:
-                y[lo:hi].addmm_(x[lo:hi] @ w[0].t(), w[1].t())
+            if w is None:
+                continue
+            t = x[lo:hi] @ w.a.t()
+            for r0, b, c0 in w.parts:
+                y[lo:hi, c0:c0 + b.shape[0]].addmm_(t[:, r0:r0 + b.shape[1]], b.t())
         return y
+
+
+@dataclass(slots=True)
+class ModuleWeights:
+    """One adapter's share of one of our layers: A [R, in] (its parts' A stacked), and per
+    part of the layer's output it adapts (r0, B [n, r] with the scale folded in, c0): rows
+    c0..c0+n-1 of the output get t[:, r0:r0+r] B^T, t = x A^T. In the kernel's panels where
+    it serves (LoraSet.load_files)."""
+
+    a: Tensor
+    parts: list[tuple[int, Tensor, int]]
+    rank: int
 
 
 class LoraSet:
     """Adapter slots over one model (one rank's share under TP): `weights[slot]` maps
-    (layer, module) -> (A [R, in], B [out, R]) in the model's dtype on its device."""
+    (layer, module) -> its ModuleWeights, in the model's dtype on its device."""
 
     def __init__(self, model: nn.Module, slots: int, dtype: torch.dtype):
         """dtype: the model's (its linear layers' inputs and outputs)."""
         self.model = model
         self.shard = getattr(model, "shard", None)
-        self.weights: list[dict[tuple[int, str], tuple[Tensor, Tensor]]] = [
+        self.weights: list[dict[tuple[int, str], ModuleWeights]] = [
             {} for _ in range(slots)]
         self.runs: list[tuple[int, int, int]] = []
         self.c_runs = torch.zeros((0, 3), dtype=torch.int64)      # the runs, for the kernel
@@ -355,10 +372,16 @@ class LoraSet:
         self.unload(slot)
         self.weights[slot] = self.build(parts, where)
         if self.kernel is not None:                 # the kernel's panels, in place of A, B
-            for key, (a, b) in self.weights[slot].items():
-                r, a, b = a.shape[0], to_panels(a), to_panels(b)
-                self.weights[slot][key] = (a, b)
-                self.modules[key].table[slot] = torch.tensor([a.data_ptr(), r, b.data_ptr()])
+            for key, w in self.weights[slot].items():
+                a = to_panels(w.a)
+                parts = [(r0, b.shape[1], to_panels(b), c0, b.shape[0]) for r0, b, c0 in w.parts]
+                entry = [a.data_ptr(), w.rank, len(parts)]
+                for r0, r, b, c0, n in parts:
+                    entry += [r0, r, b.data_ptr(), c0, n]
+                self.modules[key].table[slot] = torch.tensor(
+                    entry + [0] * (LORA_ENTRY - len(entry)))
+                self.weights[slot][key] = ModuleWeights(a, [(r0, b, c0) for r0, _, b, c0, _
+                                                            in parts], w.rank)
         return rank
 
     def unload(self, slot: int) -> None:
@@ -382,53 +405,58 @@ class LoraSet:
             out[key] = self._fuse(key, group, config, where)
         return out
 
-    def _fuse(self, key, group: list[Part], config, where: str) -> tuple[Tensor, Tensor]:
-        """A [R, in] and block-diagonal B [out, R] (scales folded in) of one module."""
+    def _fuse(self, key, group: list[Part], config, where: str) -> ModuleWeights:
+        """One module's weights: its parts' A stacked, each part's B (scale folded in) for
+        the rows of the layer's output this rank holds (module docstring)."""
         layer, module = key
         base = self.modules[key]
         full_parts = _part_rows(module, config)             # [(part name, full rows)]
         names = [n for n, _ in full_parts]
-        a_blocks, b_cols = [], []
+        local = [self._local_rows(n, rows) for n, rows in full_parts]
+        a_blocks, parts, r0 = [], [], 0
         for p in group:
             a, b = p.a, p.b * p.scale
             r = a.shape[0]
             if p.from_gguf and p.name in ("q_proj", "k_proj"):
                 from .gguf import _permuted_heads, _unpermute_rows
-                heads = _permuted_heads(config).get(
-                    f"blk.{layer}.attn_{p.name[0]}.weight")
+                heads = _permuted_heads(config).get(f"blk.{layer}.attn_{p.name[0]}.weight")
                 if heads is not None and b.shape[0] == heads * config.head_dim:
                     b = _unpermute_rows(b, heads, config.head_dim)
-            if b.shape[1] != r:
-                raise AdapterError(f"{where}: layer {layer} {p.name}: lora_A has rank {r}, "
-                                   f"lora_B {b.shape[1]}")
             full_in = config.hidden_size if p.name not in ROW_PARALLEL else (
                 config.num_heads * config.head_dim if p.name == "o_proj"
                 else config.intermediate_size)
-            if p.name in names:
-                rows = full_parts[names.index(p.name)][1]
-                lo = sum(n for _, n in full_parts[:names.index(p.name)])
-            else:                                            # Phi-3's fused part: all rows
-                rows, lo = sum(n for _, n in full_parts), 0
+            fused = p.name not in names                      # Phi-3's qkv_proj / gate_up_proj
+            rows = sum(n for _, n in full_parts) if fused else full_parts[names.index(p.name)][1]
             if tuple(a.shape) != (r, full_in) or tuple(b.shape) != (rows, r):
                 raise AdapterError(f"{where}: layer {layer} {p.name}: lora_A {tuple(a.shape)} "
                                    f"and lora_B {tuple(b.shape)} do not fit the model's "
                                    f"{full_in} -> {rows}")
-            full_b = torch.zeros(sum(n for _, n in full_parts), r)
-            full_b[lo:lo + rows] = b
+            c0 = 0 if fused else sum(local[:names.index(p.name)])
             if self.shard is not None:
-                if p.name in ROW_PARALLEL:
+                if p.name in ROW_PARALLEL:                  # this rank's input columns
                     a = self.shard.select(p.name, "weight").take(a)
-                else:
-                    full_b = self.shard.select_fused(tuple(names), "weight").take(full_b)
+                elif fused:
+                    b = self.shard.select_fused(tuple(names), "weight").take(b)
+                else:                                       # this rank's output rows
+                    b = self.shard.select(p.name, "weight").take(b)
             a_blocks.append(a)
-            b_cols.append(full_b)
-        a_all = torch.cat(a_blocks).contiguous()
-        b_all = torch.cat(b_cols, dim=1).contiguous()
-        if b_all.shape[0] != base.out_features or a_all.shape[1] != base.in_features:
+            parts.append((r0, b.to(device=self.device, dtype=self.dtype).contiguous(), c0))
+            r0 += r
+        a_all = torch.cat(a_blocks)
+        if a_all.shape[1] != base.in_features or \
+                any(c0 + b.shape[0] > base.out_features for _, b, c0 in parts):
             raise AdapterError(f"{where}: layer {layer} {module}: the adapter's shapes do not "
                                f"fit this rank's layer")
-        return (a_all.to(device=self.device, dtype=self.dtype),
-                b_all.to(device=self.device, dtype=self.dtype))
+        return ModuleWeights(a_all.to(device=self.device, dtype=self.dtype).contiguous(),
+                             parts, r0)
+
+    def _local_rows(self, name: str, rows: int) -> int:
+        """How many of a part's `rows` output rows this rank holds."""
+        if self.shard is None:
+            return rows
+        sel = self.shard.select(name, "weight")
+        return len(range(*sel.index.indices(sel.full))) if isinstance(sel.index, slice) \
+            else len(sel.index)
 
 
 def _part_rows(module: str, config) -> list[tuple[str, int]]:

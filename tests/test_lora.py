@@ -176,35 +176,51 @@ ISAS = [pytest.param("avx2", id="avx2"),
 @pytest.mark.parametrize("k, n, ranks", [(64, 96, (8, 0, 16)), (576, 960, (48, 16, 40)),
                                          (37, 21, (3, 17, 5))])
 def test_the_kernels_runs_are_torchs_products(isa, k, n, ranks):
-    """linear.c's zs_lora_f32 against y[lo:hi] += (x A^T) B^T in float64: rows in runs of
-    several slots (one slot twice, one that does not adapt the layer: R = 0, rows left
-    alone), more rows than one pass of the kernel (64). Tolerance: each output sums R
-    products of a K-term float32 sum, the terms O(1): 1e-5 relative to the largest."""
+    """linear.c's zs_lora_f32 against the products in float64: rows in runs of several
+    slots (one slot twice, one that does not adapt the layer: R = 0, rows left alone), more
+    rows than one pass of the kernel (64); slot 1 adapts the whole output as one part, slot
+    3 two parts (the first and last thirds of the columns, as q and v of a fused qkv, k
+    left alone). Tolerance: each output sums r products of a K-term float32 sum, the terms
+    O(1): 1e-5 relative to the largest."""
     from models.cpu_linear import to_panels
+    from models.lora import LORA_ENTRY
 
     g = torch.Generator().manual_seed(k)
     lib = kernels.library()
-    table = torch.zeros((4, 3), dtype=torch.int64)
+    table = torch.zeros((4, LORA_ENTRY), dtype=torch.int64)
     held, weights = [], {}
+    third = n // 3
     for slot, r in zip((1, 2, 3), ranks):
-        if r:
-            a, b = torch.randn(r, k, generator=g), torch.randn(n, r, generator=g)
-            weights[slot] = (a, b)
-            pa, pb = to_panels(a), to_panels(b)
-            held += [pa, pb]
-            table[slot] = torch.tensor([pa.data_ptr(), r, pb.data_ptr()])
+        if not r:
+            continue
+        spans = [(0, n)] if slot != 3 else [(0, third), (n - third, n)]
+        a = torch.randn(r * len(spans), k, generator=g)
+        parts = [(i * r, torch.randn(hi - lo, r, generator=g), lo)
+                 for i, (lo, hi) in enumerate(spans)]
+        weights[slot] = (a, parts)
+        pa = to_panels(a)
+        entry = [pa.data_ptr(), a.shape[0], len(parts)]
+        held.append(pa)
+        for r0, b, c0 in parts:
+            pb = to_panels(b)
+            held.append(pb)
+            entry += [r0, r, pb.data_ptr(), c0, b.shape[0]]
+        table[slot] = torch.tensor(entry + [0] * (LORA_ENTRY - len(entry)))
     rows = 150
     x, y = torch.randn(rows, k, generator=g), torch.randn(rows, n, generator=g)
-    runs = [(1, 0, 5), (2, 5, 9), (3, 20, 100), (1, 100, 101), (2, 120, 150)]
+    runs = [(1, 0, 5), (2, 5, 9), (3, 20, 100), (1, 100, 101), (3, 120, 150)]
     want = y.double().clone()
     for slot, lo, hi in runs:
         if slot in weights:
-            a, b = weights[slot]
-            want[lo:hi] += (x[lo:hi].double() @ a.double().t()) @ b.double().t()
+            a, parts = weights[slot]
+            t = x[lo:hi].double() @ a.double().t()
+            for r0, b, c0 in parts:
+                want[lo:hi, c0:c0 + b.shape[0]] += t[:, r0:r0 + b.shape[1]] @ b.double().t()
     c_runs = torch.tensor(runs, dtype=torch.int64)
     assert lib.zs_lora_f32(int(isa == "avx512"), x.data_ptr(), k, y.data_ptr(), n,
                            c_runs.data_ptr(), len(runs), table.data_ptr()) == 0
     assert (y.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    assert torch.equal(y[9:20], want[9:20].float())         # no run: untouched
 
 
 def test_a_base_in_q8_0_blocks_takes_adapters_as_its_dequantized_floats(llama, adapters):
@@ -213,9 +229,10 @@ def test_a_base_in_q8_0_blocks_takes_adapters_as_its_dequantized_floats(llama, a
     from models import load_model
     from models.quant_linear import QuantLinear, dequantize, quantize_q8_0
 
-    quant = load_model(llama, torch.float32, "cpu", quantization="int8")
-    if not any(isinstance(m, QuantLinear) for m in quant.modules()):
+    if not kernels.avx2_available("cpu"):
         pytest.skip("no AVX2 kernels here: --quantization int8 is not served")
+    quant = load_model(llama, torch.float32, "cpu", quantization="int8")
+    assert any(isinstance(m, QuantLinear) for m in quant.modules())
     plain = load_model(llama, torch.float32, "cpu", pack=False)
     head = plain.lm_head if plain.lm_head is not None else plain.embed_tokens
     plain.lm_head = torch.nn.Linear(head.weight.shape[1], head.weight.shape[0],
@@ -640,6 +657,8 @@ def test_adapters_under_two_tensor_parallel_ranks(llama, adapters, tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.skipif(not kernels.avx2_available("cpu"),
+                    reason="no AVX2 kernels here: --quantization int8 is not served")
 def test_adapters_over_q8_0_blocks_follow_the_dequantized_model(llama, adapters, tmp_path):
     """--quantization int8: the reference is transformers + peft on the checkpoint whose
     linear weights are the Q8_0 blocks dequantized (blocks.c's output at a few requests)."""

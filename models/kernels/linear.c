@@ -251,19 +251,22 @@ TARGET_AVX2 void zs_linear_avx2(int bf16, const void *x, int64_t M, int64_t K, c
 
 /* ---- LoRA products (models/lora.py: LoraLinear) --------------------------------------- */
 
-#define LORA_ROWS 64    /* rows of x per pass: the scratch holds LORA_ROWS x (R + N) floats */
+#define LORA_ROWS 64    /* rows of x per pass */
+#define LORA_PARTS 3    /* parts of a fused layer: q, k, v */
+#define LORA_ENTRY (3 + 5 * LORA_PARTS)
 
-/* For each run r (runs[3r..3r+2] = slot, lo, hi): y[lo:hi] += (x[lo:hi] A^T) B^T, with the
- * slot's A [R, K] and B [N, R] in this file's float32 panels: table[3 slot..] = {A's panels,
- * R, B's panels}; R = 0: the adapter leaves this layer alone. x [*, K] and y [*, N] are
- * contiguous float32. Both products are zs_linear_f32's (avx512) or zs_linear_avx2's, so
- * each sum runs over its k in order; the delta is added to y once, row by row. Returns 0, or
- * -1 if the scratch could not be grown (y untouched). */
+/* For each run r (runs[3r..3r+2] = slot, lo, hi): t = x[lo:hi] A^T, then for each part p of
+ * the layer's output the adapter adapts, y[lo:hi, c_p:c_p + n_p] += t[:, r_p:r_p + R_p] B_p^T.
+ * table[LORA_ENTRY slot ...] = {A's panels ([R, K]), R, parts, then per part: r_p, R_p,
+ * B_p's panels ([n_p, R_p]), c_p, n_p}; R = 0: the adapter leaves this layer alone. x [*, K]
+ * and y [*, N] are contiguous float32. Every product is zs_linear_f32's (avx512) or
+ * zs_linear_avx2's, so each sum runs over its k in order; each delta is added to y once.
+ * Returns 0, or -1 if the scratch could not be grown (y untouched). */
 int zs_lora_f32(int avx512, const float *x, int64_t K, float *y, int64_t N,
                 const int64_t *runs, int64_t nruns, const int64_t *table) {
     int64_t rmax = 0;
     for (int64_t r = 0; r < nruns; r++) {
-        const int64_t rank = table[3 * runs[3 * r] + 1];
+        const int64_t rank = table[LORA_ENTRY * runs[3 * r] + 1];
         if (rank > rmax) rmax = rank;
     }
     if (rmax == 0) return 0;
@@ -271,30 +274,41 @@ int zs_lora_f32(int avx512, const float *x, int64_t K, float *y, int64_t N,
      * from mmap, and its page faults cost more than the products. */
     static __thread float *t = NULL;
     static __thread int64_t held = 0;
-    const int64_t need = LORA_ROWS * (rmax + N);
+    const int64_t need = LORA_ROWS * (2 * rmax + N);
     if (need > held) {
         float *grown = realloc(t, sizeof(float) * need);
         if (!grown) return -1;
         t = grown;
         held = need;
     }
-    float *d = t + LORA_ROWS * rmax;
+    float *part = t + LORA_ROWS * rmax, *d = part + LORA_ROWS * rmax;
     for (int64_t r = 0; r < nruns; r++) {
-        const int64_t *w = table + 3 * runs[3 * r];
-        const int64_t rank = w[1];
+        const int64_t *w = table + LORA_ENTRY * runs[3 * r];
+        const int64_t rank = w[1], parts = w[2];
         if (rank == 0) continue;
-        const void *a = (const void *)(intptr_t)w[0], *b = (const void *)(intptr_t)w[2];
+        const void *a = (const void *)(intptr_t)w[0];
         for (int64_t lo = runs[3 * r + 1], hi = runs[3 * r + 2]; lo < hi; lo += LORA_ROWS) {
             const int64_t m = hi - lo < LORA_ROWS ? hi - lo : LORA_ROWS;
-            if (avx512) {
-                zs_linear_f32(x + lo * K, m, K, a, rank, NULL, t);
-                zs_linear_f32(t, m, rank, b, N, NULL, d);
-            } else {
-                zs_linear_avx2(0, x + lo * K, m, K, a, rank, NULL, t);
-                zs_linear_avx2(0, t, m, rank, b, N, NULL, d);
+            if (avx512) zs_linear_f32(x + lo * K, m, K, a, rank, NULL, t);
+            else zs_linear_avx2(0, x + lo * K, m, K, a, rank, NULL, t);
+            for (int64_t q = 0; q < parts; q++) {
+                const int64_t *pw = w + 3 + 5 * q;
+                const int64_t r0 = pw[0], rp = pw[1], c0 = pw[3], np = pw[4];
+                const void *b = (const void *)(intptr_t)pw[2];
+                const float *src = t;
+                if (rp != rank) {           /* this part's columns of t, contiguous */
+                    for (int64_t i = 0; i < m; i++)
+                        memcpy(part + i * rp, t + i * rank + r0, sizeof(float) * rp);
+                    src = part;
+                }
+                if (avx512) zs_linear_f32(src, m, rp, b, np, NULL, d);
+                else zs_linear_avx2(0, src, m, rp, b, np, NULL, d);
+                for (int64_t i = 0; i < m; i++) {
+                    float *out = y + (lo + i) * N + c0;
+                    const float *di = d + i * np;
+                    for (int64_t j = 0; j < np; j++) out[j] += di[j];
+                }
             }
-            float *out = y + lo * N;
-            for (int64_t i = 0; i < m * N; i++) out[i] += d[i];
         }
     }
     return 0;
