@@ -251,9 +251,30 @@ TARGET_AVX2 void zs_linear_avx2(int bf16, const void *x, int64_t M, int64_t K, c
 
 /* ---- LoRA products (models/lora.py: LoraLinear) --------------------------------------- */
 
-#define LORA_ROWS 64    /* rows of x per pass */
+#define LORA_ROWS 64    /* rows of an expand per pass (its scratch: LORA_ROWS x (R_p + n_p)) */
 #define LORA_PARTS 3    /* parts of a fused layer: q, k, v */
 #define LORA_ENTRY (3 + 5 * LORA_PARTS)
+
+/* A scratch of at least n floats, kept per thread and only grown (a fresh one of ~1 MB a
+ * call came from mmap, and its page faults cost more than the products); NULL if it cannot
+ * grow. */
+static float *lora_scratch(int which, int64_t n) {
+    static __thread float *held[2] = {NULL, NULL};
+    static __thread int64_t size[2] = {0, 0};
+    if (n > size[which]) {
+        float *grown = realloc(held[which], sizeof(float) * n);
+        if (!grown) return NULL;
+        held[which] = grown;
+        size[which] = n;
+    }
+    return held[which];
+}
+
+static inline void lora_linear(int avx512, const float *x, int64_t M, int64_t K,
+                               const void *p, int64_t N, float *y) {
+    if (avx512) zs_linear_f32(x, M, K, p, N, NULL, y);
+    else zs_linear_avx2(0, x, M, K, p, N, NULL, y);
+}
 
 /* For each run r (runs[3r..3r+2] = slot, lo, hi): t = x[lo:hi] A^T, then for each part p of
  * the layer's output the adapter adapts, y[lo:hi, c_p:c_p + n_p] += t[:, r_p:r_p + R_p] B_p^T.
@@ -261,55 +282,61 @@ TARGET_AVX2 void zs_linear_avx2(int bf16, const void *x, int64_t M, int64_t K, c
  * B_p's panels ([n_p, R_p]), c_p, n_p}; R = 0: the adapter leaves this layer alone. x [*, K]
  * and y [*, N] are contiguous float32. Every product is zs_linear_f32's (avx512) or
  * zs_linear_avx2's, so each sum runs over its k in order; each delta is added to y once.
- * Returns 0, or -1 if the scratch could not be grown (y untouched). */
+ * Threads: the shrinks one run after another (each split over its panels), then the
+ * expands, one (run, part) per thread at a time (inside, zs_linear runs serially: OpenMP
+ * does not nest), as they write disjoint rows or columns of y: two parallel regions a
+ * call instead of one per product. Returns 0, or -1 if a scratch could not be grown (y
+ * then possibly partly updated: the caller fails the step). */
 int zs_lora_f32(int avx512, const float *x, int64_t K, float *y, int64_t N,
                 const int64_t *runs, int64_t nruns, const int64_t *table) {
-    int64_t rmax = 0;
-    for (int64_t r = 0; r < nruns; r++) {
-        const int64_t rank = table[LORA_ENTRY * runs[3 * r] + 1];
-        if (rank > rmax) rmax = rank;
-    }
-    if (rmax == 0) return 0;
-    /* The scratch is kept (per thread) and only grown: a fresh one of ~1 MB a call came
-     * from mmap, and its page faults cost more than the products. */
-    static __thread float *t = NULL;
-    static __thread int64_t held = 0;
-    const int64_t need = LORA_ROWS * (2 * rmax + N);
-    if (need > held) {
-        float *grown = realloc(t, sizeof(float) * need);
-        if (!grown) return -1;
-        t = grown;
-        held = need;
-    }
-    float *part = t + LORA_ROWS * rmax, *d = part + LORA_ROWS * rmax;
+    int64_t total = 0;
+    for (int64_t r = 0; r < nruns; r++)
+        total += (runs[3 * r + 2] - runs[3 * r + 1]) * table[LORA_ENTRY * runs[3 * r] + 1];
+    if (total == 0) return 0;
+    float *t = lora_scratch(0, total);
+    if (!t) return -1;
+    int64_t at = 0;
     for (int64_t r = 0; r < nruns; r++) {
         const int64_t *w = table + LORA_ENTRY * runs[3 * r];
-        const int64_t rank = w[1], parts = w[2];
-        if (rank == 0) continue;
-        const void *a = (const void *)(intptr_t)w[0];
+        const int64_t lo = runs[3 * r + 1], hi = runs[3 * r + 2];
+        if (w[1] == 0) continue;
+        lora_linear(avx512, x + lo * K, hi - lo, K, (const void *)(intptr_t)w[0], w[1], t + at);
+        at += (hi - lo) * w[1];
+    }
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t task = 0; task < nruns * LORA_PARTS; task++) {
+        const int64_t r = task / LORA_PARTS, q = task % LORA_PARTS;
+        const int64_t *w = table + LORA_ENTRY * runs[3 * r];
+        const int64_t rank = w[1];
+        if (rank == 0 || q >= w[2]) continue;
+        int64_t t0 = 0;                     /* where run r's t starts */
+        for (int64_t s = 0; s < r; s++)
+            t0 += (runs[3 * s + 2] - runs[3 * s + 1]) * table[LORA_ENTRY * runs[3 * s] + 1];
+        const int64_t *pw = w + 3 + 5 * q;
+        const int64_t r0 = pw[0], rp = pw[1], c0 = pw[3], np = pw[4];
+        const void *b = (const void *)(intptr_t)pw[2];
+        float *part = lora_scratch(1, LORA_ROWS * (rp + np));
+        if (!part) {
+            failed = 1;
+            continue;
+        }
+        float *d = part + LORA_ROWS * rp;
         for (int64_t lo = runs[3 * r + 1], hi = runs[3 * r + 2]; lo < hi; lo += LORA_ROWS) {
             const int64_t m = hi - lo < LORA_ROWS ? hi - lo : LORA_ROWS;
-            if (avx512) zs_linear_f32(x + lo * K, m, K, a, rank, NULL, t);
-            else zs_linear_avx2(0, x + lo * K, m, K, a, rank, NULL, t);
-            for (int64_t q = 0; q < parts; q++) {
-                const int64_t *pw = w + 3 + 5 * q;
-                const int64_t r0 = pw[0], rp = pw[1], c0 = pw[3], np = pw[4];
-                const void *b = (const void *)(intptr_t)pw[2];
-                const float *src = t;
-                if (rp != rank) {           /* this part's columns of t, contiguous */
-                    for (int64_t i = 0; i < m; i++)
-                        memcpy(part + i * rp, t + i * rank + r0, sizeof(float) * rp);
-                    src = part;
-                }
-                if (avx512) zs_linear_f32(src, m, rp, b, np, NULL, d);
-                else zs_linear_avx2(0, src, m, rp, b, np, NULL, d);
-                for (int64_t i = 0; i < m; i++) {
-                    float *out = y + (lo + i) * N + c0;
-                    const float *di = d + i * np;
-                    for (int64_t j = 0; j < np; j++) out[j] += di[j];
-                }
+            const float *tr = t + t0 + (lo - runs[3 * r + 1]) * rank, *src = tr;
+            if (rp != rank) {                           /* this part's columns of t */
+                for (int64_t i = 0; i < m; i++)
+                    memcpy(part + i * rp, tr + i * rank + r0, sizeof(float) * rp);
+                src = part;
+            }
+            lora_linear(avx512, src, m, rp, b, np, d);
+            for (int64_t i = 0; i < m; i++) {
+                float *out = y + (lo + i) * N + c0;
+                const float *di = d + i * np;
+                for (int64_t j = 0; j < np; j++) out[j] += di[j];
             }
         }
     }
-    return 0;
+    return failed ? -1 : 0;
 }
