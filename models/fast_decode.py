@@ -36,7 +36,7 @@ _i64, _p, _f = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("kind", _i64), ("weight", _p), ("bias", _p)]
+    _fields_ = [("kind", _i64), ("weight", _p), ("bias", _p), ("lora", _p)]
 
 
 class _Layer(ctypes.Structure):
@@ -48,7 +48,7 @@ class _Model(ctypes.Structure):
     _fields_ = [("layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
                 ("head_dim", _i64), ("inter", _i64), ("eps", _f), ("scale", _f),
                 ("avx512", _i64), ("bf16", _i64), ("kv_kind", _i64), ("cos_sin", _p),
-                ("layer", ctypes.POINTER(_Layer))]
+                ("layer", ctypes.POINTER(_Layer)), ("lora_runs", _p), ("lora_nruns", _i64)]
 
 
 def _linear(module, dtype: torch.dtype) -> _Linear | None:
@@ -58,10 +58,10 @@ def _linear(module, dtype: torch.dtype) -> _Linear | None:
         bias = module.bias
         if dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
             return None
-        return _Linear(1, module.c_blocks(), None if bias is None else bias.data_ptr())
+        return _Linear(1, module.c_blocks(), None if bias is None else bias.data_ptr(), None)
     if isinstance(module, CpuLinear) and module.dtype == dtype:
         return _Linear(-1 if module.avx512 else 0, module.weight.data_ptr(),
-                       None if module.bias is None else module.bias.data_ptr())
+                       None if module.bias is None else module.bias.data_ptr(), None)
     return None
 
 
@@ -138,6 +138,9 @@ class FastDecode:
                                         else cache.scales[i].data_ptr())
         c = self.c
         c.kv_kind = cache.kind
+        lora = self.model.lora                          # this step's adapter runs, if any
+        c.lora_runs, c.lora_nruns = ((lora.c_runs.data_ptr(), len(lora.runs))
+                                     if lora is not None and lora.runs else (None, 0))
         x = self.model.embed_tokens(input_ids)
         m = x.shape[0]
         qw = (c.heads + 2 * c.kv_heads) * c.head_dim

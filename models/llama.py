@@ -228,7 +228,7 @@ class CausalLM(nn.Module):
         inputs in place of their tokens' embeddings (an image's encoder output), and under
         multimodal RoPE (config.mrope_section) these [t, h, w] positions."""
         if embeds is None and self.fast is not None and self.fast.takes(attn, positions) \
-                and (self.lora is None or not self.lora.runs):
+                and (self.lora is None or not self.lora.runs or self.lora.kernel is not None):
             return self.fast.run(input_ids, positions, attn)    # the same, in one C call
         x = (self.embed_tokens(input_ids) if self.tp is None
              else self._embed_sharded(input_ids))

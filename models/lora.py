@@ -31,8 +31,10 @@ linear.c serves (kernels.linear_available) the whole list is one C call a layer
 (`zs_lora_f32`: A and B in linear.c's panels, each slot's pointers in the layer's `table`):
 torch's small matmuls cost ~13 us each in dispatch, which at 4 adapters and 32 rows of the
 135M shape took 0.58x of the base model's throughput; elsewhere (bfloat16, CUDA) torch's
-matmuls. A step with no runs costs one attribute test per layer; FastDecode (one C call
-per decode step) declines steps with runs (CausalLM.forward).
+matmuls. A step with no runs costs one attribute test per layer. FastDecode (one C call
+per decode step, decode.c) takes steps with runs where the kernel serves: decode.c calls
+zs_lora_f32 after each linear kernel with the layer's table, as LoraLinear does, so the two
+paths stay the same bit for bit; elsewhere it declines them (CausalLM.forward).
 
 Tensor parallelism (models/tp.py): a column-parallel part (q, k, v, gate, up) keeps its B's
 rows that the rank's base weight holds, A whole; a row-parallel one (o, down) keeps A's
@@ -345,6 +347,13 @@ class LoraSet:
                 setattr(parent, leaf, wrapped)
                 self.modules[(i, name)] = wrapped
         model.lora = self
+        if model.fast is not None and self.kernel is not None:
+            # FastDecode's one-call decode step adds the same products (decode.c calls
+            # zs_lora_f32 after each linear kernel with the layer's table)
+            for i, c_layer in enumerate(model.fast.layers):
+                for field, name in (("qkv", "self_attn.qkv_proj"), ("o", "self_attn.o_proj"),
+                                    ("gate_up", "mlp.gate_up_proj"), ("down", "mlp.down_proj")):
+                    getattr(c_layer, field).lora = self.modules[(i, name)].table.data_ptr()
 
     @contextlib.contextmanager
     def step(self, runs: list[tuple[int, int, int]]):

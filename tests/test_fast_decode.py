@@ -98,6 +98,39 @@ def test_fast_path_equals_module_path(wide_heads, tmp_path, family, qtype, dtype
     assert fast.abs().max() > 0
 
 
+@needs_kernels
+@pytest.mark.parametrize("qtype", [None, "Q8_0"])
+def test_fast_path_adds_lora_products_as_the_module_path(wide_heads, tmp_path, qtype):
+    """LoRA runs (models/lora.py): decode.c adds each layer's adapter products after its
+    linear kernel, as LoraLinear does: the same hidden state bit for bit, with rows of two
+    adapters and of none in one step (the AVX2 kernels in make test's AVX2 re-run)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from models.lora import LoraSet
+
+    path = wide_heads("llama")
+    for i, targets in enumerate((["q_proj", "v_proj", "down_proj"],
+                                 ["k_proj", "o_proj", "gate_proj", "up_proj"])):
+        torch.manual_seed(i)
+        get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(
+            r=4 + 4 * i, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+        ).save_pretrained(tmp_path / f"a{i}")
+    if qtype is not None:
+        path = write_gguf(path, tmp_path / "m.gguf", getattr(gguf.GGMLQuantizationType, qtype))
+    model = load_model(path, torch.float32, "cpu",
+                       quantization="none" if qtype is None else "gguf")
+    lora = LoraSet(model, 3, torch.float32)
+    lora.load(1, tmp_path / "a0")
+    lora.load(2, tmp_path / "a1")
+    with lora.step([(2, 0, 2), (1, 3, 5)]):
+        (fast, fast_kv), (slow, slow_kv) = both_paths(model, 5)
+    assert torch.equal(fast, slow)
+    assert all(torch.equal(a, b) for a, b in zip(fast_kv, slow_kv))
+    (plain, _), _ = both_paths(model, 5)
+    assert not torch.equal(plain[:2], fast[:2]) and not torch.equal(plain[3:], fast[3:])
+    assert torch.equal(plain[2], fast[2])                   # the row of no adapter
+
+
 def test_fast_path_stays_out_of_the_way(tiny_model, wide_heads):
     """Qwen3 (per-head q/k norm), float16 and unpacked layers take the module path; so
     does a step with a prefill segment (FastDecode.takes)."""

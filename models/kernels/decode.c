@@ -27,6 +27,8 @@ void zs_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *p, 
                     const uint16_t *bias, uint16_t *y);
 void zs_linear_avx2(int bf16, const void *x, int64_t M, int64_t K, const void *p, int64_t N,
                     const void *bias, void *y);
+int zs_lora_f32(int avx512, const float *x, int64_t K, float *y, int64_t N,
+                const int64_t *runs, int64_t nruns, const int64_t *table);
 struct ZsBlocks;                        /* blocks.c: a layer in GGUF's blocks */
 int zs_linear_parts(const struct ZsBlocks *L, const float *x, int64_t M, int64_t K,
                     const float *bias, float *y);
@@ -57,6 +59,7 @@ typedef struct {
     int64_t kind;
     const void *weight;
     const void *bias;           /* or NULL; the model dtype */
+    const int64_t *lora;        /* its LoRA adapters' table (linear.c: zs_lora_f32), or NULL */
 } ZsLinear;
 
 typedef struct {
@@ -74,15 +77,19 @@ typedef struct {
     int64_t kv_kind;            /* the KV pool's: attention.c's KV_F32, KV_BF16 or KV_I8 */
     const void *cos_sin;
     const ZsLayer *layer;
+    const int64_t *lora_runs;   /* this step's runs of rows per adapter (float32 only) */
+    int64_t lora_nruns;
 } ZsModel;
 
 static int linear(const ZsModel *m, const ZsLinear *l, const void *x, int64_t M, int64_t K,
                   int64_t N, void *y) {
-    if (l->kind > 0)                    /* float32 activations only (fast_decode.py) */
-        return m->bf16 ? -1 : zs_linear_parts(l->weight, x, M, K, l->bias, y);
-    if (l->kind == 0) zs_linear_avx2((int)m->bf16, x, M, K, l->weight, N, l->bias, y);
+    if (l->kind > 0) {                  /* float32 activations only (fast_decode.py) */
+        if (m->bf16 || zs_linear_parts(l->weight, x, M, K, l->bias, y)) return -1;
+    } else if (l->kind == 0) zs_linear_avx2((int)m->bf16, x, M, K, l->weight, N, l->bias, y);
     else if (m->bf16) zs_linear_bf16(x, M, K, l->weight, N, l->bias, y);
     else zs_linear_f32(x, M, K, l->weight, N, l->bias, y);
+    if (l->lora && m->lora_nruns)        /* the adapters' products, as LoraLinear adds them */
+        return zs_lora_f32((int)m->avx512, x, K, y, N, m->lora_runs, m->lora_nruns, l->lora);
     return 0;
 }
 
@@ -95,8 +102,8 @@ static void norm(const ZsModel *m, const void *x, void *r, const void *w, int64_
 
 /* x [M, hidden]: the embeddings in, the hidden state out; r [M, hidden]: scratch for the
  * residual stream; the other buffers are scratch of the sizes named. table, ctx, rows,
- * lens, slots: attention.py's decode rows. Returns 0, or -1 (out of memory in quant.c;
- * the step is then lost). */
+ * lens, slots: attention.py's decode rows. Returns 0, or -1 (out of memory in quant.c or
+ * for the LoRA products' scratch; the step is then lost). */
 int zs_decode_layers(const ZsModel *m, int64_t M, void *x, void *r, const int64_t *pos,
                      const int64_t *table, int64_t ctx, const int64_t *rows,
                      const int64_t *lens, const int64_t *slots,
