@@ -273,7 +273,7 @@ class AnthropicHandler:
         except (BadRequest, SubmitError) as e:
             return error_response(str(e), getattr(e, "status", 400))
         rid = "msg_" + parsed.requests[0].rid.split("-", 1)[-1].rsplit("_", 1)[0]
-        model = self.core.model_id
+        model = parsed.model(self.core.model_id)       # an adapter's name, when it ran one
         early = await self.core.settled(request, parsed, state, error_response)
         if early is not None:
             return early

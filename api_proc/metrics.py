@@ -88,6 +88,8 @@ class Metrics:
                                 "running (invalid, or the queue was full).", ["reason"])
         self.adapter_requests = Counter("zserve:lora_requests", "Finished requests run under "
                                         "a LoRA adapter (--enable-lora).", ["adapter"])
+        self.priority_requests = Counter("zserve:priority_requests", "Finished requests by "
+                                         "the sign of their priority.", ["priority_class"])
         self.in_flight = Gauge("zserve:requests_in_flight", "Requests the API processes "
                                "hold.", multiprocess_mode="livesum") if multi else \
             Gauge("zserve:requests_in_flight", "Requests the API processes hold.")
@@ -100,10 +102,11 @@ class Metrics:
                 self.itl.observe(seconds / tokens)
 
     def finished(self, out: TextOutput, route: str, ttft: float | None,
-                 e2e: float | None, lora: str | None = None) -> None:
+                 e2e: float | None, lora: str | None = None, priority: int = 0) -> None:
         f = out.finish
         kind = f.type if f is not None else "abort"
         self.requests.labels(route, kind).inc()
+        self.priority_requests.labels(priority_class(priority)).inc()
         if lora is not None and f is not None and f.status_code is None:
             # Only requests that ran: a refused name (404) never makes a label, so clients
             # cannot grow the label set; loaded names are the admin's.
@@ -252,6 +255,11 @@ def metrics() -> Metrics:
     if _METRICS is None:
         _METRICS = Metrics()
     return _METRICS
+
+
+def priority_class(priority: int) -> str:
+    """A priority as a bounded label (any integer is a priority): its sign."""
+    return "above_zero" if priority > 0 else "below_zero" if priority < 0 else "zero"
 
 
 def request_line(rid: str, route: str, out: TextOutput, ttft: float | None,

@@ -320,7 +320,7 @@ class ResponsesHandler:
         except (BadRequest, SubmitError) as e:
             return error_response(str(e), getattr(e, "status", 400))
         head = {"id": "resp_" + uuid.uuid4().hex, "object": "response",
-                "created_at": int(time.time()), "model": self.core.model_id,
+                "created_at": int(time.time()), "model": parsed.model(self.core.model_id),
                 "parallel_tool_calls": True, "store": body.get("store") is not False,
                 **{k: body.get(k) for k in ECHOED}}
         head["tool_choice"] = head["tool_choice"] or "auto"

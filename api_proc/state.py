@@ -323,7 +323,7 @@ class Dispatcher:
             return
         t = state.timing
         metrics().finished(out, state.route, t.first_token_latency, t.e2e_latency,
-                           state.lora)
+                           state.lora, state.priority)
         if request_log.isEnabledFor(logging.INFO):
             request_log.info("%s", request_line(state.user_rid, state.route, out,
                                                 t.first_token_latency, t.e2e_latency,

@@ -544,6 +544,7 @@ def test_dialects_take_the_adapter_as_model(server, llama, adapters):
                                                                 "temperature": 0})
         texts[model] = chat.choices[0].message.content
         assert msg.content[0].text == texts[model] == lama.message.content
+        assert chat.model == msg.model == (model or ids[0])       # the adapter answered
     assert texts["a1"] != texts[None]
     with pytest.raises(openai.NotFoundError, match="zz"):
         client.chat.completions.create(model="zz", messages=messages, max_tokens=4)
@@ -565,6 +566,12 @@ def test_the_prefix_cache_keys_by_adapter_and_logs_name_it(server):
     assert first["meta_info"]["cached_tokens"] == 0 < again["meta_info"]["cached_tokens"]
     assert other["meta_info"]["cached_tokens"] == base["meta_info"]["cached_tokens"] == 0
     assert re.search(r"request \w+ generate: .*; length; adapter a2", server.logs())
+    server.generate_ok(input_ids=p, lora_path="a1", priority=5, sampling_params=body)
+    metrics = server.client.get("/metrics").text
+    assert re.search(r'zserve:lora_requests_total\{adapter="a1"\} [3-9]', metrics)
+    assert re.search(r'zserve:priority_requests_total\{priority_class="above_zero"\} [1-9]',
+                     metrics)
+    assert 'adapter="zz"' not in metrics                   # refused names make no label
     assert server.server_info()["lora_adapters"] == ["a1", "a2"]
 
 
