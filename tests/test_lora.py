@@ -568,9 +568,11 @@ def test_the_prefix_cache_keys_by_adapter_and_logs_name_it(server):
     assert re.search(r"request \w+ generate: .*; length; adapter a2", server.logs())
     server.generate_ok(input_ids=p, lora_path="a1", priority=5, sampling_params=body)
     metrics = server.client.get("/metrics").text
-    assert re.search(r'zserve:lora_requests_total\{adapter="a1"\} [3-9]', metrics)
-    assert re.search(r'zserve:priority_requests_total\{priority_class="above_zero"\} [1-9]',
-                     metrics)
+    def count(name):
+        found = re.search(re.escape(name) + r" ([0-9.e+]+)", metrics)
+        return float(found[1]) if found else 0.0
+    assert count('zserve:lora_requests_total{adapter="a1"}') >= 3
+    assert count('zserve:priority_requests_total{priority_class="above_zero"}') >= 1
     assert 'adapter="zz"' not in metrics                   # refused names make no label
     assert server.server_info()["lora_adapters"] == ["a1", "a2"]
 
