@@ -287,8 +287,8 @@ class LoraLinear(nn.Module):
         lora = self._lora[0]
         if not lora.runs:
             return y
-        if lora.kernel is not None and y.is_contiguous():
-            x = x.contiguous()
+        if lora.kernel is not None:         # (its weights are panels: the kernel's only)
+            x, y = x.contiguous(), y.contiguous()
             if lora.kernel(lora.avx512, x.data_ptr(), self.in_features, y.data_ptr(),
                            self.out_features, lora.c_runs.data_ptr(), len(lora.runs),
                            self.table.data_ptr()):
@@ -379,7 +379,15 @@ class LoraSet:
         if max_rank is not None and rank > max_rank:
             raise AdapterError(f"{where}: rank {rank} is above --max-lora-rank {max_rank}")
         self.unload(slot)
-        self.weights[slot] = self.build(parts, where)
+        try:
+            self._place(slot, self.build(parts, where))
+        except BaseException:
+            self.unload(slot)                       # a slot is whole or empty
+            raise
+        return rank
+
+    def _place(self, slot: int, weights: dict) -> None:
+        self.weights[slot] = weights
         if self.kernel is not None:                 # the kernel's panels, in place of A, B
             for key, w in self.weights[slot].items():
                 a = to_panels(w.a)
@@ -391,7 +399,6 @@ class LoraSet:
                     entry + [0] * (LORA_ENTRY - len(entry)))
                 self.weights[slot][key] = ModuleWeights(a, [(r0, b, c0) for r0, _, b, c0, _
                                                             in parts], w.rank)
-        return rank
 
     def unload(self, slot: int) -> None:
         for module in self.modules.values():
@@ -421,6 +428,10 @@ class LoraSet:
         base = self.modules[key]
         full_parts = _part_rows(module, config)             # [(part name, full rows)]
         names = [n for n, _ in full_parts]
+        given = [p.name for p in group]
+        if len(set(given)) != len(given) or (len(given) > 1 and not set(given) <= set(names)):
+            raise AdapterError(f"{where}: layer {layer} {module}: parts {sorted(given)} overlap "
+                               f"(a fused projection and its parts)")
         local = [self._local_rows(n, rows) for n, rows in full_parts]
         a_blocks, parts, r0 = [], [], 0
         for p in group:
@@ -460,7 +471,8 @@ class LoraSet:
                              parts, r0)
 
     def _local_rows(self, name: str, rows: int) -> int:
-        """How many of a part's `rows` output rows this rank holds."""
+        """How many of a column-parallel part's `rows` output rows this rank holds (only
+        fused layers' offsets ask)."""
         if self.shard is None:
             return rows
         sel = self.shard.select(name, "weight")

@@ -51,7 +51,10 @@ takes its head as always. When memory runs out the worst-ranked running request 
 retracted rather than the newest, and a waiting request that cannot be admitted (no room,
 or --max-running-requests reached) retracts running ones whose priority is more than
 --priority-scheduling-preemption-threshold worse (`preempt`), if that lets it in; such a
-retraction does not raise the memory estimate. Nothing ages a waiting request: a steady
+retraction does not raise the memory estimate. A waiting request whose priority is better
+than every running one's gets the step that admits it to itself (`first_step_alone`: its
+first chunk without the running rows, which wait one step), so its first token comes one
+step after the step in flight, as on an idle server. Nothing ages a waiting request: a steady
 stream of higher priorities starves lower ones, bounded only by --request-timeout (off by
 default). Without the flag the field is ignored: arrival order, newest retracted first.
 
@@ -452,7 +455,8 @@ class Scheduler:
             self.preempt()
         budget = self.args.chunked_prefill_size
         segments: list[Segment] = []
-        for req in self.running:
+        alone = self.by_priority and self.first_step_alone()
+        for req in self.running if not alone else ():
             todo = req.seq_len - req.num_computed
             n = todo if todo == 1 else min(todo, budget)
             if n == 0 or n > self.kv.available:
@@ -476,6 +480,8 @@ class Scheduler:
             budget -= n
             segments.append(self._segment(req, n, todo))
             room = self.kv.available - self.reserved()
+            if alone:
+                break
         now = time.monotonic()
         for seg in segments:
             if seg.req.queue_time is None:
@@ -576,6 +582,20 @@ class Scheduler:
             return
         self.waiting.insert(bisect.bisect_right(self.waiting, self.rank(req), key=self.rank),
                             req)
+
+    def first_step_alone(self) -> bool:
+        """Does the queue's head get this step to itself: its priority better than every
+        running request's, and admissible now? Its first chunk then runs without the
+        running requests' rows (they wait one step), so its first token comes as soon as
+        on an idle server but for the step in flight (TTFT under load)."""
+        head = self.waiting[0] if self.waiting else None
+        if head is None or not self.running or head.cached_tokens is not None:
+            return False                        # (a retracted request: not its first step)
+        best_running = min(self.rank(r)[0] for r in self.running)
+        return (self.rank(head)[0] < best_running
+                and len(self.running) < self.args.max_running_requests
+                and self.admit_cost(head) <= self.kv.available - self.reserved()
+                and (self.adapters is None or self.adapters.fits(self.running, head)))
 
     def preempt(self) -> None:
         """The queue's head, if it cannot be admitted now (no room, or the running batch is

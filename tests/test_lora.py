@@ -316,6 +316,30 @@ def test_a_pickled_adapter_is_not_loaded_and_ranks_are_bounded(llama, adapters, 
     assert lora.weights[1] == {}
 
 
+def test_overlapping_parts_are_refused_and_leave_the_slot_empty(llama, adapters, tmp_path):
+    """A fused projection and its parts in one layer (qkv_proj with q_proj) would add q's
+    rows twice: refused, and the slot keeps nothing of it."""
+    from safetensors.torch import save_file
+    from models import load_model
+
+    config = json.loads((llama / "config.json").read_text())
+    h = config["hidden_size"]
+    d = h // config["num_attention_heads"]
+    qkv = (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * d
+    key = "base_model.model.model.layers.0.self_attn"
+    save_file({f"{key}.q_proj.lora_A.weight": torch.randn(4, h),
+               f"{key}.q_proj.lora_B.weight": torch.randn(h, 4),
+               f"{key}.qkv_proj.lora_A.weight": torch.randn(4, h),
+               f"{key}.qkv_proj.lora_B.weight": torch.randn(qkv, 4)},
+              tmp_path / "adapter_model.safetensors")
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8}))
+    lora = LoraSet(load_model(llama, torch.float32, "cpu"), 2, torch.float32)
+    lora.load(1, adapters["a1"][0])
+    with pytest.raises(AdapterError, match="overlap"):
+        lora.load(1, tmp_path)
+    assert lora.weights[1] == {} and all(not m.table[1].any() for m in lora.modules.values())
+
+
 def test_a_llama_cpp_lora_gguf_reads_as_its_peft_adapter(llama, adapters, tmp_path):
     """llama.cpp's convert_lora_to_gguf layout, written here with the gguf library: per
     tensor lora_a [r, in] and lora_b [out, r], llama's q/k B rows permuted as the base's

@@ -71,6 +71,26 @@ def test_a_much_higher_priority_preempts_and_the_preempted_resumes_intact():
         assert s.kv.pool.num_free + s.kv.evictable == s.kv.pool.size
 
 
+def test_a_better_priority_gets_the_step_that_admits_it_to_itself():
+    """Its first chunk runs alone (the running rows wait that step), then everyone shares
+    steps again; an equal priority, or a request already running before, shares at once."""
+    for priority, alone in ((3, True), (0, False)):
+        s, batches, _ = make(max_running=4, enable_priority_scheduling=True)
+        s.step([request("a", max_new_tokens=20, ignore_eos=True),
+                request("b", max_new_tokens=20, ignore_eos=True)])
+        s.step([])
+        s.runner.steps.clear()
+        s.step([_with_priority(request("new", max_new_tokens=3, ignore_eos=True), priority)])
+        first = [seg.req.rid for seg in s.runner.steps[0]]
+        assert first == (["new"] if alone else ["a", "b", "new"]), (priority, first)
+        s.step([])
+        assert {seg.req.rid for seg in s.runner.steps[1]} == {"a", "b", "new"}
+        run_until_idle(s)
+        assert all(f.type == "length" for f in finishes(batches).values())
+        a = [i for b in batches for o in b.outputs if o.rid == "a" for i in o.new_ids]
+        assert a == [token_after(3 + i) for i in range(20)]       # nothing lost
+
+
 def test_memory_pressure_retracts_the_lowest_priority_first():
     """Two requests overcommit a small pool (test_scheduler_unit's case); the one retracted
     is the lower priority, here the earlier arrival (without priorities, the newer)."""

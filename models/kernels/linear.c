@@ -304,7 +304,7 @@ int zs_lora_f32(int avx512, const float *x, int64_t K, float *y, int64_t N,
         at += (hi - lo) * w[1];
     }
     int failed = 0;
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) reduction(| : failed)
     for (int64_t task = 0; task < nruns * LORA_PARTS; task++) {
         const int64_t r = task / LORA_PARTS, q = task % LORA_PARTS;
         const int64_t *w = table + LORA_ENTRY * runs[3 * r];
