@@ -19,9 +19,9 @@ weights: bench.make_checkpoint's smollm2-135m, built into /tmp/zserve-bench/ onc
 - Priority: a server with --enable-priority-scheduling, --max-running-requests
   --num-prompts and --priority-scheduling-preemption-threshold --threshold (default 0: a
   higher priority preempts; SGLang's default 10 would not let priority 10 preempt 0). A
-  priority-10 request (a prompt of --input-len, 4 tokens) on the idle server, 5 times;
+  priority-10 request (a prompt of --input-len, 4 tokens) on the idle server, 9 times;
   then under --num-prompts x 2 priority-0 requests of 4 x --output-len tokens each (the
-  batch full, as many queued), 5 priority-10 requests one after another.
+  batch full, as many queued), 9 priority-10 requests one after another.
   TTFT is the client's: sending to the first token. Printed: the medians and loaded / idle.
 """
 
@@ -121,7 +121,7 @@ def ttft(url: str, ids: list[int], priority: int) -> float:
 
 def priority_run(model_path: str, num: int, input_len: int, output_len: int,
                  threshold: int) -> dict:
-    probes = make_prompts(5, input_len, seed=11)
+    probes = make_prompts(9, input_len, seed=11)
     load = make_prompts(2 * num, input_len, seed=12)
     server, _ = launch_server(model_path, "float32", [
         "--enable-priority-scheduling", "--max-running-requests", str(num),
