@@ -115,6 +115,12 @@ def test_admin_routes_need_the_admin_key(client):
     assert r.status_code == 403 and "admin" in r.json()["error"]["message"]
     r = client.post("/abort_request", json={"abort_all": True}, headers=user)
     assert r.status_code == 403 and "admin" in r.json()["error"]["message"]
+    for path in ("/load_lora_adapter", "/unload_lora_adapter"):     # they read server paths
+        r = client.post(path, json={"lora_name": "x", "lora_path": "/etc"}, headers=user)
+        assert r.status_code == 403 and "admin" in r.json()["error"]["message"]
+        r = client.post(path, json={"lora_name": "x", "lora_path": "/etc"}, headers={
+            "Authorization": f"Bearer {ADMIN}"})
+        assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
     # Aborting one's own request by its exact rid needs only the user key.
     r = client.post("/abort_request", json={"rid": "mine"}, headers=user)
     assert r.status_code == 200 and r.json() == {"aborted": 0}
