@@ -58,15 +58,13 @@ from models import kernels
 
 from .cpu_linear import to_panels
 
-# A checkpoint part -> (our module, part index in its fused output, the part names of that
-# module in output order). PEFT's target names; Phi-3's fused ones are one part each.
-MODULES = {
-    "q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
-    "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
-    "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
-    "down_proj": ("mlp.down_proj", 0),
-    "qkv_proj": ("self_attn.qkv_proj", None), "gate_up_proj": ("mlp.gate_up_proj", None),
-}
+# A checkpoint part (PEFT's target name; Phi-3's fused ones too) -> our module holding it
+# (its parts' order there: _part_rows).
+MODULES = {"q_proj": "self_attn.qkv_proj", "k_proj": "self_attn.qkv_proj",
+           "v_proj": "self_attn.qkv_proj", "qkv_proj": "self_attn.qkv_proj",
+           "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_up_proj",
+           "up_proj": "mlp.gate_up_proj", "gate_up_proj": "mlp.gate_up_proj",
+           "down_proj": "mlp.down_proj"}
 ROW_PARALLEL = ("o_proj", "down_proj")
 LORA_ENTRY = 3 + 5 * 3          # linear.c's zs_lora_f32 table: a slot's entry, int64s
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)\.lora_([AB])\.weight$")
@@ -230,16 +228,16 @@ def _parse_gguf(data: bytes, path: str) -> list[Part]:
     a temporary one."""
     import tempfile
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     with tempfile.NamedTemporaryFile(suffix=".gguf") as f:
         f.write(data)
         f.flush()
-        reader = GGUFReader(f.name)
-        return _gguf_parts(reader, dequantize, path)
+        return _gguf_parts(GGUFReader(f.name), path)
 
 
-def _gguf_parts(reader, dequantize, path: str) -> list[Part]:
+def _gguf_parts(reader, path: str) -> list[Part]:
+    from gguf.quants import dequantize
+
     def field(name):
         f = reader.fields.get(name)
         return None if f is None else f.contents()
@@ -410,7 +408,7 @@ class LoraSet:
         config = self.model.config if self.shard is None else self.shard.full
         by_module: dict[tuple[int, str], list[Part]] = {}
         for p in parts:
-            module, _ = MODULES[p.name]
+            module = MODULES[p.name]
             if (p.layer, module) not in self.modules:
                 raise AdapterError(f"{where}: layer {p.layer} {p.name} is not in this model "
                                    f"({config.num_layers} layers"

@@ -25,20 +25,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from scheduler_proc.runner import leaves_device_unknown
-from wire.messages import MAX_LORA_NAME
-from wire.server_args import ServerArgs, lora_name, lora_path
+from wire.server_args import ServerArgs, lora_name, lora_name_problem, lora_path
 
 log = logging.getLogger(__name__)
-
-
-def name_problem(name: str) -> str | None:
-    """Why `name` cannot name an adapter (a client could never reach it), or None."""
-    if not isinstance(name, str) or not 0 < len(name) <= MAX_LORA_NAME:
-        return f"An adapter's name is a non-empty string of at most {MAX_LORA_NAME} characters."
-    if name == "default" or ":" in name:
-        return (f"`{name}` cannot name an adapter: \"default\" is the served model, and \":\" "
-                f"separates an Ollama model's tag.")
-    return None
 
 
 @dataclass(slots=True)
@@ -47,7 +36,6 @@ class Adapter:
     path: str
     slot: int
     uid: int
-    rank: int
     users: int = 0
     unloads: list[Callable[[bool, str], None]] = field(default_factory=list)  # waiting
 
@@ -75,15 +63,11 @@ class Adapters:
         """Loaded and usable, in load order (SchedulerLoad.lora_adapters)."""
         return [a.name for a in self.by_name.values() if not a.draining]
 
-    def describe(self) -> list[dict]:
-        return [{"name": a.name, "path": a.path, "rank": a.rank, "requests": a.users,
-                 "unloading": a.draining} for a in self.by_name.values()]
-
     def load(self, name: str, path: str) -> tuple[bool, str]:
         """Load `name` from `path`. The same name from the same path again is a success
         (nothing reloaded): a load that failed on some data-parallel replicas converges when
         retried."""
-        if (problem := name_problem(name)) is not None or not path:
+        if (problem := lora_name_problem(name)) is not None or not path:
             return False, problem or "lora_path must be a non-empty string."
         if name in self.by_name:
             adapter = self.by_name[name]
@@ -103,7 +87,7 @@ class Adapters:
                 raise
             log.warning("loading LoRA adapter %s from %s failed: %s", name, path, e)
             return False, f"Cannot load the adapter `{name}`: {e}"
-        self.by_name[name] = Adapter(name, path, free, next(self._uids), rank)
+        self.by_name[name] = Adapter(name, path, free, next(self._uids))
         log.info("loaded LoRA adapter %s (rank %d) from %s into slot %d", name, rank, path,
                  free)
         return True, f"Loaded the adapter `{name}`."
@@ -136,9 +120,6 @@ class Adapters:
         if adapter.draining:
             return f"The model `{name}` does not exist (its LoRA adapter is being unloaded)."
         return None
-
-    def get(self, name: str | None) -> Adapter | None:
-        return None if name is None else self.by_name[name]
 
     def acquire(self, name: str) -> Adapter:
         adapter = self.by_name[name]

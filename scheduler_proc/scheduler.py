@@ -449,6 +449,19 @@ class Scheduler:
         remaining = req.sampling.max_new_tokens - len(req.output_ids)
         return req.seq_len + math.ceil(remaining * self.new_token_ratio)
 
+    def admissible(self, req: Req, running: list[Req] | None = None,
+                   room: int | None = None) -> bool:
+        """Can req join `running` (default: the running batch) now: a row free, its
+        admit_cost within `room` (default: the free slots less the running requests'
+        reservations; any cost when nothing runs), its adapter within
+        --max-loras-per-batch."""
+        running = self.running if running is None else running
+        if running and room is None:
+            room = self.kv.available - self.reserved()
+        return (len(running) < self.args.max_running_requests
+                and (not running or self.admit_cost(req) <= room)
+                and (self.adapters is None or self.adapters.fits(running, req)))
+
     def schedule(self) -> list[Segment]:
         self.make_room()
         if self.by_priority:
@@ -463,11 +476,7 @@ class Scheduler:
                 continue
             budget -= n if todo > 1 else 0
             segments.append(self._segment(req, n, todo))
-        room = self.kv.available - self.reserved()
-        while (self.waiting and budget > 0 and
-               len(self.running) < self.args.max_running_requests and
-               (not self.running or self.admit_cost(self.waiting[0]) <= room) and
-               (self.adapters is None or self.adapters.fits(self.running, self.waiting[0]))):
+        while self.waiting and budget > 0 and self.admissible(self.waiting[0]):
             req = self.waiting.popleft()
             self.kv.admit(req)
             self.running.append(req)
@@ -479,7 +488,6 @@ class Scheduler:
             n = min(todo, budget)
             budget -= n
             segments.append(self._segment(req, n, todo))
-            room = self.kv.available - self.reserved()
             if alone:
                 break
         now = time.monotonic()
@@ -592,10 +600,7 @@ class Scheduler:
         if head is None or not self.running or head.cached_tokens is not None:
             return False                        # (a retracted request: not its first step)
         best_running = min(self.rank(r)[0] for r in self.running)
-        return (self.rank(head)[0] < best_running
-                and len(self.running) < self.args.max_running_requests
-                and self.admit_cost(head) <= self.kv.available - self.reserved()
-                and (self.adapters is None or self.adapters.fits(self.running, head)))
+        return self.rank(head)[0] < best_running and self.admissible(head)
 
     def preempt(self) -> None:
         """The queue's head, if it cannot be admitted now (no room, or the running batch is
@@ -605,20 +610,18 @@ class Scheduler:
         if not (self.waiting and self.running):
             return
         head, threshold = self.waiting[0], self.args.priority_scheduling_preemption_threshold
+        if self.admissible(head):
+            return
         room = self.kv.available - self.reserved()
         cost = self.admit_cost(head)
-        if len(self.running) < self.args.max_running_requests and cost <= room and \
-                (self.adapters is None or self.adapters.fits(self.running, head)):
-            return
         victims: list[Req] = []
         for victim in sorted(self.running, key=self.rank, reverse=True):
             if self.rank(victim)[0] - self.rank(head)[0] <= threshold:
                 return                          # nobody else may go: it cannot get in
             victims.append(victim)
             room += len(victim.slots) + self._reservation(victim)
-            if len(self.running) - len(victims) < self.args.max_running_requests and \
-                    cost <= room and (self.adapters is None or self.adapters.fits(
-                        [r for r in self.running if r not in victims], head)):
+            if cost <= room and self.admissible(
+                    head, [r for r in self.running if r not in victims], room):
                 break
         else:
             return

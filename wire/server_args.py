@@ -371,9 +371,8 @@ class ServerArgs:
             _refuse("--lora-paths and --max-lora-rank need --enable-lora")
         names = self.lora_names
         for name in names:
-            if not 0 < len(name) <= MAX_LORA_NAME or name == "default" or ":" in name:
-                _refuse(f"--lora-paths: `{name}` cannot name an adapter (1 to {MAX_LORA_NAME} "
-                        f"characters, no ':', not \"default\")")
+            if (problem := lora_name_problem(name)) is not None:
+                _refuse(f"--lora-paths: {problem}")
         if len(set(names)) != len(names):
             _refuse(f"--lora-paths names an adapter twice: {names}")
         if len(names) > self.max_loaded_loras:
@@ -402,6 +401,17 @@ class ServerArgs:
 def lora_name(spec: str) -> str:
     """--lora-paths' NAME=PATH -> NAME (PATH alone: named by itself)."""
     return spec.partition("=")[0] if "=" in spec else spec
+
+
+def lora_name_problem(name: str) -> str | None:
+    """Why `name` cannot name an adapter (a client could never reach it), or None: the one
+    rule for --lora-paths and /load_lora_adapter."""
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_LORA_NAME:
+        return f"An adapter's name is a non-empty string of at most {MAX_LORA_NAME} characters."
+    if name == "default" or ":" in name:
+        return (f"`{name}` cannot name an adapter: \"default\" is the served model, and \":\" "
+                f"separates an Ollama model's tag.")
+    return None
 
 
 def lora_path(spec: str) -> str:
